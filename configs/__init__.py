@@ -1,0 +1,35 @@
+"""Named training presets. Each `configs/<name>.py` defines `CONFIG`; `load(name)` returns it."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+import typing
+from pathlib import Path
+
+from configs.base import Config
+from gpt2.config import ConfigError
+
+_NOT_PRESETS = {"base", "cli"}
+PRESETS = sorted(
+    m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if m.name not in _NOT_PRESETS
+)
+DEFAULT = "shakespeare_cpu"
+
+
+def load(name: str) -> Config:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown config {name!r}; choose one of {PRESETS}")
+    return importlib.import_module(f"configs.{name}").CONFIG
+
+
+def from_dict(d: dict, cls: type = Config):
+    """A config dataclass from its `dataclasses.asdict` form (e.g. the copy saved in a run directory)."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in d:
+            value = d[f.name]
+            kwargs[f.name] = from_dict(value, hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else value
+    return cls(**kwargs)

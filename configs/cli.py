@@ -1,0 +1,97 @@
+"""Command-line parsing of frozen config dataclasses with tyro, and errors that fit on one line.
+
+`--model.n_layer=6`, `--model.n_layer 6` and `--model.n-layer 6` all work. tyro reports problems in a
+multi-line box; a user running on 256 hosts wants one line naming the flag, so we condense it and, for an
+unknown flag, list the valid ones of its section.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import io
+import re
+import sys
+import typing
+from typing import TypeVar
+
+import tyro
+
+T = TypeVar("T")
+
+_BOX = re.compile(r"[│╭╮╰╯─]+")
+
+
+def parse(cls: type[T], argv: list[str] | None, *, default: T | None = None, prog: str) -> T:
+    """Parses argv into `cls` (starting from `default`); exits with status 2 and one line on bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        return tyro.cli(cls, default=default, args=argv, prog=prog, config=_CONF)
+    unknown = _unknown_flags(cls, argv)
+    if unknown:
+        fail(unknown)
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            return tyro.cli(cls, default=default, args=argv, prog=prog, config=_CONF)
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        fail(_condense(stderr.getvalue()))
+    except ValueError as e:  # a dataclass __post_init__ check (e.g. GPT2Config) rejected the values
+        fail(str(e))
+
+
+_CONF = (tyro.conf.FlagConversionOff,)  # booleans take a value: --log.progress=False
+
+
+def fail(message: str) -> typing.NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _condense(text: str) -> str:
+    """The first paragraph of tyro's error box as one line."""
+    lines = []
+    for raw in text.splitlines():
+        if re.fullmatch(r"\s*[│├]?\s*─{3,}.*", raw) and lines:
+            break  # tyro separates the message from help text with a rule
+        line = _BOX.sub(" ", raw).strip()
+        if line and not line.lower().startswith(("value error", "invalid choice", "parsing error")):
+            lines.append(line)
+    return " ".join(lines) or text.strip()
+
+
+def flag_names(cls: type, prefix: str = "") -> dict[str, list[str]]:
+    """{section: [field names]} for nested dataclasses; section "" is the top level."""
+    sections: dict[str, list[str]] = {prefix.rstrip("."): []}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        sections[prefix.rstrip(".")].append(f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            sections.update(flag_names(hints[f.name], f"{prefix}{f.name}."))
+    return sections
+
+
+def _unknown_flags(cls: type, argv: list[str]) -> str | None:
+    """A message for the first --flag that names no field, with the valid names of its section."""
+    sections = flag_names(cls)
+    for arg in argv:
+        if not arg.startswith("--"):
+            continue
+        key = arg[2:].split("=", 1)[0].replace("-", "_")
+        section, _, name = key.rpartition(".")
+        if section in sections and name in sections[section]:
+            continue
+        if key in sections:  # a whole section given as one flag
+            continue
+        valid = sections.get(section)
+        if valid is None:
+            choices = sorted(s for s in sections if s)
+            return f"unknown config section {section!r} in {arg!r}; sections are {choices}"
+        close = difflib.get_close_matches(name, valid, n=1)
+        hint = f" (did you mean {section + '.' if section else ''}{close[0]}?)" if close else ""
+        where = f"{section}." if section else ""
+        return f"unknown config key --{where}{name}{hint}; valid keys of {section or 'the top level'}: {valid}"
+    return None

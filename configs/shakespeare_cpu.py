@@ -1,0 +1,20 @@
+"""The default: a small GPT-2 on the embedded Shakespeare corpus, sized for a 2-core laptop CPU.
+
+About 7 minutes on 2 cores (see README "Training"). The full GPT-2 vocabulary is kept so that checkpoints
+are ordinary GPT-2 checkpoints; it makes the embedding most of the 7.3M parameters.
+"""
+
+from configs.base import CheckpointConfig, Config, DataConfig, OptimConfig, TrainConfig
+from gpt2.config import GPT2Config
+
+CONFIG = Config(
+    run_dir="runs/shakespeare_cpu",
+    model=GPT2Config(n_layer=4, n_head=4, n_embd=128, block_size=256, pad_vocab_to=128, scan_layers=True),
+    data=DataConfig(dataset="shakespeare"),
+    optim=OptimConfig(lr=2e-3, warmup_steps=50, weight_decay=0.1, min_lr_ratio=0.1),
+    train=TrainConfig(
+        steps=600, batch_size=16, seq_len=128, steps_per_call=10,
+        eval_every=100, eval_batches=8, sample_prompt="ROMEO:", sample_tokens=120,
+    ),
+    checkpoint=CheckpointConfig(every=200, keep=3),
+)

@@ -1,0 +1,159 @@
+"""Grain loading of prepared token files into the global batches the train step consumes.
+
+The pipeline (Grain's dataset API):
+
+    TokenWindows (memory-mapped .bin files, window i = tokens[i·T : i·T + T + 1])
+      .shuffle(seed).repeat()        a fresh seeded permutation every epoch
+      [process_index::process_count] process p reads global positions p, p+P, p+2P, ...
+      .batch(K · B_local)            K consecutive per-process batches, one train call's worth
+      .to_iter_dataset()             checkpointable iterator (Orbax, via grain.checkpoint)
+
+Because every process strides over the *same* global permutation, the rows of global batch b are the same
+set whatever the number of processes: a 2-process run sees the data a 1-process run sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import grain
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from data.prepare import META, TOKEN_DTYPE, DataError
+from data.tokenizer import RANKS_SHA256
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """A prepared corpus directory, validated."""
+
+    directory: Path
+    meta: dict
+
+    def files(self, split: str) -> list[Path]:
+        return [self.directory / name for name in self.meta[f"{split}_files"]]
+
+
+def open_corpus(directory: str | os.PathLike, *, vocab_size: int, min_tokens: int) -> Corpus:
+    """Checks a prepared corpus against the model: tokenizer, vocabulary, file sizes, enough tokens."""
+    directory = Path(directory)
+    meta_path = directory / META
+    if not directory.is_dir():
+        raise DataError(f"{directory}: dataset directory does not exist")
+    if not meta_path.is_file():
+        raise DataError(f"{meta_path}: missing (prepare the corpus with `python -m data.prepare`)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{meta_path}: not valid JSON ({e})") from None
+    if meta.get("tokenizer_sha256") != RANKS_SHA256:
+        raise DataError(
+            f"{meta_path}: tokenized with {meta.get('tokenizer')!r} (sha256"
+            f" {str(meta.get('tokenizer_sha256'))[:12]}…), not the GPT-2 BPE this model uses"
+        )
+    if meta.get("vocab_size", 0) > vocab_size:
+        raise DataError(f"{meta_path}: vocab_size {meta.get('vocab_size')} exceeds the model's {vocab_size}")
+    corpus = Corpus(directory, meta)
+    for split in ("train", "val"):
+        files = corpus.files(split)
+        if not files:
+            raise DataError(f"{meta_path}: lists no {split} files")
+        total = 0
+        for f in files:
+            if not f.is_file():
+                raise DataError(f"{f}: missing (listed in {meta_path})")
+            size = f.stat().st_size
+            if size % TOKEN_DTYPE.itemsize:
+                raise DataError(f"{f}: {size} bytes is not a whole number of uint16 tokens (truncated?)")
+            total += size // TOKEN_DTYPE.itemsize
+        if total < min_tokens:
+            raise DataError(
+                f"{directory}: the {split} split has {total} tokens, fewer than one window of {min_tokens}"
+            )
+    return corpus
+
+
+class TokenWindows(grain.sources.RandomAccessDataSource):
+    """Non-overlapping windows of `seq_len + 1` tokens (inputs and their next-token targets).
+
+    Memory maps are opened lazily so the source pickles cheaply into Grain worker processes.
+    """
+
+    def __init__(self, files: list[Path], seq_len: int, vocab_size: int):
+        self.files = [str(f) for f in files]
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        tokens = np.array([os.path.getsize(f) // TOKEN_DTYPE.itemsize for f in self.files])
+        # consecutive windows share one token: window i covers [i·T, i·T + T] inclusive
+        self._starts = np.concatenate([[0], np.cumsum((tokens - 1) // seq_len)])
+        self._maps: dict[int, np.memmap] = {}
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, index: int) -> np.ndarray:  # [T + 1] int32
+        f = int(np.searchsorted(self._starts, index, side="right")) - 1
+        if f not in self._maps:
+            self._maps[f] = np.memmap(self.files[f], dtype=TOKEN_DTYPE, mode="r")
+        start = (index - int(self._starts[f])) * self.seq_len
+        window = np.asarray(self._maps[f][start : start + self.seq_len + 1], dtype=np.int32)
+        if window.max() >= self.vocab_size:
+            raise DataError(
+                f"{self.files[f]}: token id {window.max()} at or after offset {start} is >= vocab size"
+                f" {self.vocab_size}"
+            )
+        return window
+
+    def __getstate__(self):
+        return {**self.__dict__, "_maps": {}}
+
+    def __repr__(self) -> str:
+        return f"TokenWindows({len(self.files)} files, seq_len={self.seq_len}, {len(self)} windows)"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderConfig:
+    """How a split is read (sizes are per process)."""
+
+    seq_len: int
+    batch_size: int  # rows per process per step
+    steps_per_call: int = 1  # K: batches grouped into one [K, B, T + 1] element
+    seed: int = 0
+    shuffle: bool = True
+    num_epochs: int | None = None  # None: repeat forever
+    num_workers: int = 0  # Grain worker processes (0: read in the main process)
+    prefetch: int = 2  # elements buffered ahead (threads in-process, or per worker)
+
+
+def make_dataset(
+    files: list[Path], vocab_size: int, cfg: LoaderConfig, *,
+    shard_index: int | None = None, shard_count: int | None = None,
+) -> grain.IterDataset:
+    """The Grain pipeline for one process. Shard defaults: this JAX process of all of them."""
+    if shard_index is None or shard_count is None:
+        opts = grain.sharding.ShardByJaxProcess(drop_remainder=True)
+        shard_index, shard_count = opts.shard_index, opts.shard_count
+    source = TokenWindows(files, cfg.seq_len, vocab_size)
+    ds = grain.MapDataset.source(source)
+    if cfg.shuffle:
+        ds = ds.shuffle(seed=cfg.seed)
+    if cfg.num_epochs != 1:
+        ds = ds.repeat(cfg.num_epochs)
+    ds = ds[shard_index::shard_count]
+    ds = ds.batch(cfg.steps_per_call * cfg.batch_size, drop_remainder=True)
+    ds = ds.map(lambda x: x.reshape(cfg.steps_per_call, cfg.batch_size, cfg.seq_len + 1))
+    read = grain.ReadOptions(num_threads=max(1, cfg.prefetch), prefetch_buffer_size=cfg.prefetch)
+    it = ds.to_iter_dataset(read)
+    if cfg.num_workers > 0:
+        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers))
+    return it
+
+
+def to_global(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """This process's rows [K, B_local, T+1] -> one global [K, B, T+1] array sharded over the batch axes."""
+    return jax.make_array_from_process_local_data(sharding, local)

@@ -1,0 +1,162 @@
+"""GPT-2 model configuration: one frozen dataclass and its named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+GPT2_VOCAB_SIZE = 50257  # r50k_base BPE ranks + <|endoftext|>
+
+RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
+AttentionImpl = Literal["xla", "cudnn", "auto"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    """Architecture of a GPT-2 model.
+
+    Letter legend used in shape comments across `gpt2/`:
+    B batch, T time, D embed (n_embd), H heads, K head dim, F mlp (4·D), V vocab, L layers.
+    """
+
+    vocab_size: int = GPT2_VOCAB_SIZE  # real vocabulary; ids >= vocab_size never occur
+    pad_vocab_to: int = 1  # round V up to a multiple of this (128 keeps matmuls tile-aligned)
+    block_size: int = 1024  # maximum sequence length (rows of wpe)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # GPT-2 has biases in every Linear and LayerNorm
+    layer_norm_epsilon: float = 1e-5  # HF GPT2Config default
+    dtype: DType = "float32"  # compute dtype of matmuls and activations
+    param_dtype: DType = "float32"  # storage dtype of parameters (and so of the optimizer state)
+    scan_layers: bool = True  # stack the blocks on a leading `layers` axis and lax.scan over them
+    remat: RematPolicy = "none"  # what to keep from each block's forward for the backward pass
+    attention: AttentionImpl = "auto"  # jax.nn.dot_product_attention implementation ("auto" lets XLA choose)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "pad_vocab_to", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"model.n_head={self.n_head} must divide model.n_embd={self.n_embd}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+        _check_choice("dtype", self.dtype, DType)
+        _check_choice("param_dtype", self.param_dtype, DType)
+        _check_choice("remat", self.remat, RematPolicy)
+        _check_choice("attention", self.attention, AttentionImpl)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_to
+        return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def parameter_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    def num_params(self, *, include_embedding: bool = True) -> int:
+        """Parameter count with the head tied to `wte` (GPT-2 counts wpe, nanoGPT does not)."""
+        D, L, F, V = self.n_embd, self.n_layer, 4 * self.n_embd, self.padded_vocab_size
+        b = int(self.bias)
+        per_block = (
+            2 * D * (1 + b)  # ln_1, ln_2
+            + D * 3 * D + 3 * D * b  # attn.c_attn
+            + D * D + D * b  # attn.c_proj
+            + D * F + F * b + F * D + D * b  # mlp.c_fc, mlp.c_proj
+        )
+        total = L * per_block + D * (1 + b) + V * D + self.block_size * D
+        if not include_embedding:
+            total -= V * D + self.block_size * D
+        return total
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token: 6·N (non-embedding matmuls + tied head) plus attention.
+
+        PaLM appendix B / nanoGPT `estimate_mfu`: 6N + 12·L·D·T (QKᵀ and AV, fwd + bwd).
+        """
+        T = seq_len or self.block_size
+        n = self.num_params(include_embedding=False) + self.padded_vocab_size * self.n_embd
+        return 6 * n + 12 * self.n_layer * self.n_embd * T
+
+    # ---- presets -------------------------------------------------------------------------------
+
+    @classmethod
+    def gpt2(cls, **kw) -> "GPT2Config":  # 124M
+        return cls(**{**dict(n_layer=12, n_head=12, n_embd=768), **kw})
+
+    @classmethod
+    def gpt2_medium(cls, **kw) -> "GPT2Config":  # 350M
+        return cls(**{**dict(n_layer=24, n_head=16, n_embd=1024), **kw})
+
+    @classmethod
+    def gpt2_large(cls, **kw) -> "GPT2Config":  # 774M
+        return cls(**{**dict(n_layer=36, n_head=20, n_embd=1280), **kw})
+
+    @classmethod
+    def gpt2_xl(cls, **kw) -> "GPT2Config":  # 1558M
+        return cls(**{**dict(n_layer=48, n_head=25, n_embd=1600), **kw})
+
+    @classmethod
+    def tiny(cls, **kw) -> "GPT2Config":  # CPU smoke shape (issue 6's benchmark shape)
+        return cls(**{**dict(n_layer=4, n_head=4, n_embd=128, block_size=256), **kw})
+
+    @classmethod
+    def nano(cls, **kw) -> "GPT2Config":  # unit tests: small vocab, two layers
+        return cls(**{**dict(vocab_size=96, n_layer=2, n_head=2, n_embd=32, block_size=16), **kw})
+
+    @classmethod
+    def preset(cls, name: str, **kw) -> "GPT2Config":
+        try:
+            factory = PRESETS[name]
+        except KeyError:
+            raise ConfigError(
+                f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}"
+            ) from None
+        return factory(**kw)
+
+
+PRESETS = {
+    "gpt2": GPT2Config.gpt2,
+    "gpt2-medium": GPT2Config.gpt2_medium,
+    "gpt2-large": GPT2Config.gpt2_large,
+    "gpt2-xl": GPT2Config.gpt2_xl,
+    "tiny": GPT2Config.tiny,
+    "nano": GPT2Config.nano,
+}
+
+
+def _check_choice(name: str, value, literal) -> None:
+    choices = literal.__args__
+    if value not in choices:
+        raise ConfigError(f"model.{name} must be one of {list(choices)}, got {value!r}")
+
+
+def remat_policy(name: RematPolicy):
+    """Named `jax.checkpoint` policies (None means: do not rematerialize)."""
+    return {
+        "none": None,
+        "full": jax.checkpoint_policies.nothing_saveable,
+        "dots": jax.checkpoint_policies.checkpoint_dots,
+        "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    }[name]

@@ -1,0 +1,162 @@
+"""GPT-2's building blocks as Flax NNX modules: LayerNorm, attention, MLP, Block.
+
+Parameters carry *logical* axis names in their `out_sharding` metadata (see `gpt2/sharding.py` for the
+one table that maps them onto the device mesh). Module and parameter names follow the GPT-2 checkpoint
+(`ln_1`, `attn.c_attn`, `attn.c_proj`, `ln_2`, `mlp.c_fc`, `mlp.c_proj`), so HF import is a table.
+
+Shape legend: B batch, T time (query), S time (key/value), D embed, H heads, K head dim, F mlp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gpt2.config import GPT2Config
+
+KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [B, S, H, K]
+
+
+def param_meta(*logical_axes: str | None) -> dict:
+    """Metadata that names a parameter's logical axes.
+
+    `eager_sharding=False`: NNX would otherwise try to shard at birth with the *logical* names; we resolve
+    them through our rules table in `create_sharded_model` instead (the documented jit + constraint pattern).
+    """
+    return {"out_sharding": logical_axes, "eager_sharding": False}
+
+
+def normal(std: float) -> nnx.Initializer:
+    return nnx.initializers.normal(stddev=std)
+
+
+class LayerNorm(nnx.LayerNorm):
+    """LayerNorm over D with GPT-2's epsilon; `scale` and `bias` are HF's `weight` and `bias`."""
+
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
+        super().__init__(
+            config.n_embd,
+            epsilon=config.layer_norm_epsilon,
+            use_bias=config.bias,
+            dtype=config.compute_dtype,
+            param_dtype=config.parameter_dtype,
+            scale_metadata=param_meta("embed"),
+            bias_metadata=param_meta("embed"),
+            rngs=rngs,
+        )
+
+
+class CausalSelfAttention(nnx.Module):
+    """Multi-head causal self-attention with GPT-2's fused QKV projection.
+
+    `c_attn.kernel` is stored as [D, 3, H, K] (GPT-2's [D, 3·D] with the output split into q|k|v, heads,
+    head dim) so that tensor parallelism can shard whole heads.
+    """
+
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
+        D, H, K = config.n_embd, config.n_head, config.head_dim
+        dtypes = dict(dtype=config.compute_dtype, param_dtype=config.parameter_dtype)
+        # [D] -> [(q,k,v), H, K]
+        self.c_attn = nnx.LinearGeneral(
+            D, (3, H, K), use_bias=config.bias, kernel_init=normal(0.02),
+            kernel_metadata=param_meta("embed", "qkv", "heads", "head_dim"),
+            bias_metadata=param_meta("qkv", "heads", "head_dim"), rngs=rngs, **dtypes,
+        )
+        # [H, K] -> [D]; a residual projection: GPT-2 scales its init by 1/sqrt(2·n_layer)
+        self.c_proj = nnx.LinearGeneral(
+            (H, K), D, axis=(-2, -1), use_bias=config.bias,
+            kernel_init=normal(0.02 / math.sqrt(2 * config.n_layer)),
+            kernel_metadata=param_meta("heads", "head_dim", "embed"),
+            bias_metadata=param_meta("embed"), rngs=rngs, **dtypes,
+        )
+        self.resid_dropout = nnx.Dropout(config.dropout)
+        self.attention = None if config.attention == "auto" else config.attention
+
+    def __call__(
+        self,
+        x: jax.Array,  # [B, T, D]
+        *,
+        cache: KVCache | None = None,
+        cache_index: jax.Array | None = None,  # position of x[:, 0] in the cache
+        dropout_key: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        qkv = self.c_attn(x)  # [B, T, 3, H, K]
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, T, H, K]
+        if cache is None:
+            # The causal flag, not a materialized [T, T] mask, lets XLA/cuDNN/TPU kernels skip the work.
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
+        else:
+            k, v = _update_cache(cache, k, v, cache_index)  # each [B, S, H, K]
+            cache = (k, v)
+            y = jax.nn.dot_product_attention(q, k, v, mask=_decode_mask(q, k, cache_index))
+        y = self.c_proj(y)  # [B, T, D]
+        y = self.resid_dropout(y, deterministic=dropout_key is None, rngs=dropout_key)
+        return y, cache
+
+
+def _update_cache(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array) -> KVCache:
+    k_cache, v_cache = cache
+    start = (0, index, 0, 0)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
+    return k_cache, v_cache
+
+
+def _decode_mask(q: jax.Array, k: jax.Array, index: jax.Array) -> jax.Array:
+    """[1, 1, T, S] mask: query t (at position index + t) sees cache slots s <= index + t."""
+    q_pos = index + jnp.arange(q.shape[1])[:, None]  # [T, 1]
+    k_pos = jnp.arange(k.shape[1])[None, :]  # [1, S]
+    return (k_pos <= q_pos)[None, None]
+
+
+class MLP(nnx.Module):
+    """Position-wise feed-forward: c_fc (D -> F), tanh-approximated GELU as in GPT-2, c_proj (F -> D)."""
+
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
+        D, F = config.n_embd, 4 * config.n_embd
+        dtypes = dict(dtype=config.compute_dtype, param_dtype=config.parameter_dtype)
+        self.c_fc = nnx.Linear(
+            D, F, use_bias=config.bias, kernel_init=normal(0.02),
+            kernel_metadata=param_meta("embed", "mlp"), bias_metadata=param_meta("mlp"),
+            rngs=rngs, **dtypes,
+        )
+        self.c_proj = nnx.Linear(
+            F, D, use_bias=config.bias, kernel_init=normal(0.02 / math.sqrt(2 * config.n_layer)),
+            kernel_metadata=param_meta("mlp", "embed"), bias_metadata=param_meta("embed"),
+            rngs=rngs, **dtypes,
+        )
+        self.dropout = nnx.Dropout(config.dropout)
+
+    def __call__(self, x: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        h = jax.nn.gelu(self.c_fc(x), approximate=True)  # [B, T, F]
+        y = self.c_proj(h)  # [B, T, D]
+        return self.dropout(y, deterministic=dropout_key is None, rngs=dropout_key)
+
+
+class Block(nnx.Module):
+    """Pre-LayerNorm transformer block (GPT-2, Radford et al. 2019, section 2.3)."""
+
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
+        self.ln_1 = LayerNorm(config, rngs=rngs)
+        self.attn = CausalSelfAttention(config, rngs=rngs)
+        self.ln_2 = LayerNorm(config, rngs=rngs)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(
+        self,
+        x: jax.Array,  # [B, T, D]
+        *,
+        cache: KVCache | None = None,
+        cache_index: jax.Array | None = None,
+        dropout_key: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        k_attn, k_mlp = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
+        with jax.named_scope("attn"):
+            a, cache = self.attn(self.ln_1(x), cache=cache, cache_index=cache_index, dropout_key=k_attn)
+        x = x + a
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(self.ln_2(x), dropout_key=k_mlp)
+        return x, cache

@@ -1,0 +1,151 @@
+"""GPT-2 (Radford et al. 2019) in Flax NNX: token + position embeddings, n_layer pre-LN blocks, final
+LayerNorm, and a language-model head tied to the token embedding.
+
+Read top to bottom: `GPT2.__init__` builds the parameters, `GPT2.__call__` is the training forward pass,
+`GPT2.decode` the KV-cached one used for sampling. The blocks live in `gpt2/layers.py`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gpt2.config import GPT2Config, remat_policy
+from gpt2.layers import Block, KVCache, LayerNorm, normal, param_meta
+from gpt2.sharding import ShardingRules
+
+
+class GPT2(nnx.Module):
+    """GPT-2 language model.
+
+    Args:
+      config: the architecture.
+      rngs: parameter initialization randomness.
+      rules: logical-axis rules used to constrain activations at block boundaries; None leaves XLA free
+        (single device, or when the caller does not run under a mesh).
+    """
+
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, rules: ShardingRules | None = None):
+        self.config = config
+        self.rules = rules
+        dtypes = dict(dtype=config.compute_dtype, param_dtype=config.parameter_dtype)
+        self.wte = nnx.Embed(
+            config.padded_vocab_size, config.n_embd, embedding_init=normal(0.02),
+            embedding_metadata=param_meta("vocab", "embed"), rngs=rngs, **dtypes,
+        )
+        self.wpe = nnx.Embed(
+            config.block_size, config.n_embd, embedding_init=normal(0.02),
+            embedding_metadata=param_meta("positions", "embed"), rngs=rngs, **dtypes,
+        )
+        self.drop = nnx.Dropout(config.dropout)
+        if config.scan_layers:
+            self.h = _stacked_blocks(config, rngs)  # one Block whose parameters are [L, ...]
+        else:
+            self.h = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layer)])
+        self.ln_f = LayerNorm(config, rngs=rngs)
+
+    def __call__(
+        self,
+        idx: jax.Array,  # [B, T] token ids
+        *,
+        dropout_key: jax.Array | None = None,  # None: deterministic (eval); a key: dropout on
+    ) -> jax.Array:  # [B, T, V_padded] logits, padded ids at -inf-like
+        k_embd, k_blocks = _split(dropout_key)
+        x = self._embed(idx, 0, k_embd)
+        x, _ = self._blocks(x, None, None, k_blocks)
+        return self._head(x)
+
+    def decode(
+        self,
+        idx: jax.Array,  # [B, T] new tokens (T = prompt length, then 1)
+        cache: KVCache,  # (k, v), each [L, B, S, H, K]
+        cache_index: jax.Array,  # scalar: position of idx[:, 0]
+    ) -> tuple[jax.Array, KVCache]:  # ([B, T, V_padded], updated cache)
+        x = self._embed(idx, cache_index, None)
+        x, cache = self._blocks(x, cache, cache_index, None)
+        return self._head(x), cache
+
+    def init_cache(self, batch_size: int, max_len: int) -> KVCache:
+        c = self.config
+        shape = (c.n_layer, batch_size, max_len, c.n_head, c.head_dim)  # [L, B, S, H, K]
+        return jnp.zeros(shape, c.compute_dtype), jnp.zeros(shape, c.compute_dtype)
+
+    # ---- the three stages of the forward pass ----------------------------------------------
+
+    def _embed(self, idx, start, dropout_key) -> jax.Array:  # [B, T, D]
+        # positions start..start+T-1 are a contiguous slice of wpe: no gather needed
+        pos = jax.lax.dynamic_slice_in_dim(self.wpe.embedding[...], start, idx.shape[1])  # [T, D]
+        x = self.wte(idx) + pos.astype(self.config.compute_dtype)[None]
+        x = self.drop(x, deterministic=dropout_key is None, rngs=dropout_key)
+        return self._constrain(x)
+
+    def _blocks(self, x, cache, cache_index, dropout_key):
+        """Runs the L blocks: a lax.scan over stacked parameters, or a Python loop."""
+        L = self.config.n_layer
+        keys = jax.random.split(dropout_key, L) if dropout_key is not None else None
+        if self.config.scan_layers:
+            graphdef, params = nnx.split(self.h)
+            step = _block_fn(graphdef, self.config, self._constrain)
+
+            def body(x, layer):  # layer: (params, cache slice, dropout key), each without the L axis
+                x, layer_cache = step(x, *layer, cache_index)
+                return x, layer_cache
+
+            x, cache = jax.lax.scan(body, x, (params, cache, keys))
+            return x, cache
+        new_cache = []
+        for i, block in enumerate(self.h):
+            graphdef, params = nnx.split(block)
+            step = _block_fn(graphdef, self.config, self._constrain)
+            layer_cache = None if cache is None else (cache[0][i], cache[1][i])
+            key = None if keys is None else keys[i]
+            x, layer_cache = step(x, params, layer_cache, key, cache_index)
+            new_cache.append(layer_cache)
+        if cache is not None:
+            cache = tuple(jnp.stack(c) for c in zip(*new_cache))
+        return x, cache
+
+    def _head(self, x) -> jax.Array:  # [B, T, D] -> [B, T, V_padded]
+        x = self.ln_f(x)
+        logits = self.wte.attend(x)  # tied head: x @ wteᵀ
+        c = self.config
+        if c.padded_vocab_size != c.vocab_size:  # padded ids must never be predicted
+            valid = jnp.arange(c.padded_vocab_size) < c.vocab_size
+            logits = jnp.where(valid, logits, jnp.finfo(logits.dtype).min)
+        return self._constrain(logits, ("batch", "seq", "act_vocab"))
+
+    def _constrain(self, x, logical=("batch", "seq", "act_embed")):
+        """Pins an activation's layout at a block seam (a no-op without rules or outside a mesh)."""
+        if self.rules is None or jax.sharding.get_abstract_mesh().empty:
+            return x
+        return jax.lax.with_sharding_constraint(x, self.rules.spec(logical))
+
+
+def _stacked_blocks(config: GPT2Config, rngs: nnx.Rngs) -> Block:
+    """L blocks created by vmap: every parameter gains a leading `layers` axis (and logical name)."""
+
+    @nnx.split_rngs(splits=config.n_layer)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs: nnx.Rngs) -> Block:
+        return Block(config, rngs=rngs)
+
+    return make(rngs)
+
+
+def _block_fn(graphdef, config: GPT2Config, constrain):
+    """A pure function (x, block params, cache, key, index) -> (x, cache), rematerialized per config."""
+
+    def apply(x, params, cache, key, cache_index):
+        block = nnx.merge(graphdef, params)
+        x, cache = block(x, cache=cache, cache_index=cache_index, dropout_key=key)
+        return constrain(x), cache
+
+    policy = remat_policy(config.remat)
+    if config.remat == "none":
+        return apply
+    return jax.checkpoint(apply, policy=policy, prevent_cse=not config.scan_layers)
+
+
+def _split(key):
+    return jax.random.split(key) if key is not None else (None, None)

@@ -1,0 +1,152 @@
+"""Logical-axis sharding: the one table that maps logical axis names onto the device mesh.
+
+Modules only ever name *logical* axes (on parameters, via `out_sharding` metadata; on activations, via
+`GPT2._constrain`). Which mesh axis each logical axis is split over is decided here and nowhere else.
+
+Mesh axes: `data` (pure data parallel: params replicated), `fsdp` (data parallel with params, grads and
+optimizer state sharded, ZeRO-3 style), `tensor` (Megatron tensor parallel over heads / mlp / vocab).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from gpt2.config import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Parameter axes: vocab, embed, positions, qkv (the 3 of fused QKV), heads, head_dim, mlp, layers.
+# Activation axes: batch, seq, act_embed, act_vocab.
+LOGICAL_AXES = (
+    "vocab", "embed", "positions", "qkv", "heads", "head_dim", "mlp", "layers",
+    "batch", "seq", "act_embed", "act_vocab",
+)
+
+MeshAxes = str | tuple[str, ...] | None
+
+BATCH = ("data", "fsdp")  # the global batch is split over every data-parallel axis
+
+# THE table. Unlisted logical axes are replicated.
+RULES: dict[str, dict[str, MeshAxes]] = {
+    "dp": {"batch": BATCH},
+    "fsdp": {"batch": BATCH, "embed": "fsdp"},
+    "tp": {"batch": BATCH, "heads": "tensor", "mlp": "tensor", "vocab": "tensor", "act_vocab": "tensor"},
+    "fsdp_tp": {
+        "batch": BATCH, "embed": "fsdp",
+        "heads": "tensor", "mlp": "tensor", "vocab": "tensor", "act_vocab": "tensor",
+    },
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """A validated logical -> mesh mapping (hashable, so it can live in a module's static graph)."""
+
+    name: str
+    table: tuple[tuple[str, MeshAxes], ...]
+
+    @classmethod
+    def preset(cls, name: str) -> "ShardingRules":
+        if name not in RULES:
+            raise ConfigError(f"unknown sharding rules preset {name!r}; choose one of {sorted(RULES)}")
+        return cls.from_dict(name, RULES[name])
+
+    @classmethod
+    def from_dict(cls, name: str, table: dict[str, MeshAxes]) -> "ShardingRules":
+        for logical, mesh_axes in table.items():
+            if logical not in LOGICAL_AXES:
+                raise ConfigError(f"rules {name!r}: unknown logical axis {logical!r}; known: {LOGICAL_AXES}")
+            for axis in _as_tuple(mesh_axes):
+                if axis not in MESH_AXES:
+                    raise ConfigError(
+                        f"rules {name!r}: logical axis {logical!r} maps to unknown mesh axis {axis!r};"
+                        f" mesh axes are {MESH_AXES}"
+                    )
+        return cls(name, tuple(table.items()))
+
+    def flax_rules(self) -> tuple[tuple[str, MeshAxes], ...]:
+        """Every logical axis with its mesh axes, in the form `nnx.logical_axis_rules` takes."""
+        return tuple((a, self.mesh_axes(a)) for a in LOGICAL_AXES)
+
+    def mesh_axes(self, logical: str | None) -> MeshAxes:
+        return dict(self.table).get(logical) if logical is not None else None
+
+    def spec(self, logical_axes: Sequence[str | None]) -> PartitionSpec:
+        """PartitionSpec for an array whose dims have these logical names.
+
+        Raises if two dims would be split over the same mesh axis (JAX forbids it, and it is always a
+        mistake in the table).
+        """
+        used: dict[str, str] = {}
+        out = []
+        for logical in logical_axes:
+            mesh_axes = self.mesh_axes(logical)
+            for axis in _as_tuple(mesh_axes):
+                if axis in used:
+                    raise ConfigError(
+                        f"rules {self.name!r}: logical axes {used[axis]!r} and {logical!r} of one array"
+                        f" {tuple(logical_axes)} both map to mesh axis {axis!r}"
+                    )
+                used[axis] = logical
+            out.append(mesh_axes)
+        return PartitionSpec(*out)
+
+
+def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
+    if mesh_axes is None:
+        return ()
+    return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+
+
+def make_mesh(
+    data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """A ('data', 'fsdp', 'tensor') mesh over `devices` (default: all). One size may be -1 ("the rest")."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    for axis, size in sizes.items():
+        if not isinstance(size, int) or size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis} must be a positive integer or -1, got {size!r}")
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ConfigError(f"only one mesh axis may be -1, got {free}")
+    fixed = int(np.prod([s for s in sizes.values() if s != -1]))
+    if free:
+        if len(devices) % fixed:
+            raise ConfigError(
+                f"mesh {sizes}: {len(devices)} devices are not divisible by the fixed axes' product {fixed}"
+            )
+        sizes[free[0]] = len(devices) // fixed
+    if int(np.prod(list(sizes.values()))) != len(devices):
+        raise ConfigError(
+            f"mesh data×fsdp×tensor = {sizes['data']}×{sizes['fsdp']}×{sizes['tensor']} ="
+            f" {int(np.prod(list(sizes.values())))} but there are {len(devices)} devices"
+        )
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def logical_axes_of(variable) -> tuple[str | None, ...]:
+    """The logical names attached to an nnx.Variable (() for unannotated scalars)."""
+    return tuple(variable.get_metadata().get("out_sharding") or ())
+
+
+def named_shardings(state, mesh: Mesh, rules: ShardingRules):
+    """NamedSharding for every Variable in an nnx.State, from its logical names and the table."""
+    from flax import nnx
+
+    def one(v):
+        return v.replace(NamedSharding(mesh, rules.spec(logical_axes_of(v))))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(mesh: Mesh, rules: ShardingRules, ndim: int = 2) -> NamedSharding:
+    """Sharding of a [..., B, T] batch: B over the batch mesh axes, leading dims (e.g. K steps) replicated."""
+    spec = rules.spec(("batch", "seq"))
+    return NamedSharding(mesh, PartitionSpec(*([None] * (ndim - 2)), *spec))

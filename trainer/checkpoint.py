@@ -1,0 +1,96 @@
+"""Orbax checkpoints of a run: train state, data-iterator state, and metadata (config, wandb id).
+
+Orbax writes each step into a temporary directory and renames it when complete, so `latest_step()` only
+ever sees whole checkpoints; a run killed mid-save restarts from the previous one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import grain
+import orbax.checkpoint as ocp
+
+from configs.base import CheckpointConfig, Config
+from gpt2.config import ConfigError
+
+STATE, DATA, META = "state", "data", "meta"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used for this run; the message says why."""
+
+
+class Checkpoints:
+    """The run's `checkpoints/` directory."""
+
+    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, *, read_only: bool = False):
+        self.directory = Path(run_dir).absolute() / "checkpoints"
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.keep,
+            keep_period=cfg.keep_every,
+            enable_async_checkpointing=cfg.async_save,
+            create=not read_only,
+            read_only=read_only,
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, DATA, META))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, state: Any, iterator, meta: dict, *, force: bool = False) -> bool:
+        args = {STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}
+        if iterator is not None:
+            args[DATA] = grain.checkpoint.CheckpointSave(iterator)
+        return self.manager.save(step, args=ocp.args.Composite(**args), force=force)
+
+    def read_meta(self, step: int) -> dict:
+        return self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+
+    def restore(self, step: int, abstract_state: Any, iterator=None) -> Any:
+        """Restores the state (onto the shardings in `abstract_state`) and, if given, the iterator in place."""
+        args = {STATE: ocp.args.StandardRestore(abstract_state)}
+        if iterator is not None:
+            args[DATA] = grain.checkpoint.CheckpointRestore(iterator)
+        return self.manager.restore(step, args=ocp.args.Composite(**args))[STATE]
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def check_compatible(saved: dict, config: Config, where: Path) -> None:
+    """Refuses a checkpoint whose model differs from the configured one, naming the differing fields."""
+    saved_model = saved.get("config", {}).get("model", {})
+    current = dataclasses.asdict(config.model)
+    # fields that change the parameters' shapes or meaning (dtype/remat/scan/attention impl. are free)
+    keys = ("vocab_size", "pad_vocab_to", "block_size", "n_layer", "n_head", "n_embd", "bias")
+    diffs = [f"model.{k}: checkpoint {saved_model.get(k)!r} vs config {current[k]!r}"
+             for k in keys if saved_model.get(k) != current[k]]
+    if "scan_layers" in saved_model and saved_model["scan_layers"] != current["scan_layers"]:
+        diffs.append(f"model.scan_layers: checkpoint {saved_model['scan_layers']!r} vs config"
+                     f" {current['scan_layers']!r} (parameter layouts differ)")
+    if diffs:
+        raise CheckpointError(f"{where}: checkpoint does not fit this model: " + "; ".join(diffs))
+
+
+def config_from_meta(meta: dict) -> Config:
+    """Rebuilds the run's Config from a checkpoint's metadata."""
+    from configs import from_dict
+
+    try:
+        return from_dict(meta["config"])
+    except (KeyError, TypeError, ConfigError) as e:
+        raise CheckpointError(f"checkpoint metadata holds no usable config ({e})") from None
+
+
+def to_json(config: Config) -> str:
+    return json.dumps(dataclasses.asdict(config), indent=2)
