@@ -1,0 +1,105 @@
+"""Configuration: presets, parameter counts, validation errors that name the field."""
+
+import dataclasses
+
+import jax
+import pytest
+
+import configs
+from configs.base import Config, TrainConfig
+from gpt2 import GPT2Config, ShardingRules, make_mesh
+from gpt2.config import ConfigError
+from gpt2.sharded import abstract_model
+
+
+@pytest.mark.parametrize(
+    "preset, expected",
+    [("gpt2", 124_439_808), ("gpt2-medium", 354_823_168), ("gpt2-large", 774_030_080),
+     ("gpt2-xl", 1_557_611_200)],
+)
+def test_preset_parameter_counts_equal_gpt2(preset, expected):
+    config = GPT2Config.preset(preset)
+    assert config.num_params() == expected
+    # count the real (abstract) parameters too, not only the formula
+    leaves = jax.tree.leaves(abstract_model(config, "dp"))
+    assert sum(x.size for x in leaves) == expected
+
+
+def test_vocab_padding_rounds_up_and_counts():
+    c = GPT2Config.gpt2(pad_vocab_to=128)
+    assert c.padded_vocab_size == 50304
+    assert c.num_params() == 124_439_808 + (50304 - 50257) * 768
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(n_head=5), "n_head"),  # does not divide 768
+        (dict(n_layer=0), "n_layer"),
+        (dict(n_embd=-8), "n_embd"),
+        (dict(block_size=0), "block_size"),
+        (dict(dropout=1.5), "dropout"),
+        (dict(dtype="float8"), "dtype"),
+        (dict(remat="sometimes"), "remat"),
+    ],
+)
+def test_bad_model_values_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=f"model.{field}"):
+        GPT2Config.gpt2(**kwargs)
+
+
+def test_unknown_presets_list_the_choices():
+    with pytest.raises(ConfigError, match="gpt2-xl"):
+        GPT2Config.preset("gpt3")
+    with pytest.raises(ConfigError, match="fsdp_tp"):
+        ShardingRules.preset("zero3")
+    with pytest.raises(ConfigError, match="shakespeare_cpu"):
+        configs.load("nope")
+
+
+def test_mesh_must_match_device_count():
+    assert jax.device_count() == 8
+    with pytest.raises(ConfigError, match="3×2×1 = 6 but there are 8 devices"):
+        make_mesh(3, 2, 1)
+    with pytest.raises(ConfigError, match="not divisible"):
+        make_mesh(-1, 3, 1)
+    assert dict(make_mesh(-1, 2, 2).shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+def test_rules_table_is_validated():
+    with pytest.raises(ConfigError, match="unknown mesh axis 'model'"):
+        ShardingRules.from_dict("bad", {"heads": "model"})
+    with pytest.raises(ConfigError, match="unknown logical axis 'hidden'"):
+        ShardingRules.from_dict("bad", {"hidden": "tensor"})
+    rules = ShardingRules.from_dict("clash", {"embed": "fsdp", "mlp": "fsdp"})
+    with pytest.raises(ConfigError, match="'embed' and 'mlp' .* both map to mesh axis 'fsdp'"):
+        rules.spec(("embed", "mlp"))
+
+
+@pytest.mark.parametrize("name", configs.PRESETS)
+def test_every_config_file_loads(name):
+    cfg = configs.load(name)
+    assert isinstance(cfg, Config)
+    assert cfg.train.seq_len <= cfg.model.block_size
+    ShardingRules.preset(cfg.mesh.rules)
+
+
+@pytest.mark.parametrize(
+    "train, message",
+    [
+        (dict(seq_len=2048), "train.seq_len=2048 exceeds model.block_size"),
+        (dict(batch_size=0), "train.batch_size must be positive"),
+        (dict(batch_size=10, grad_accum=4), "train.grad_accum=4 must divide"),
+    ],
+)
+def test_cross_field_checks(train, message):
+    base = configs.load("shakespeare_cpu")
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(base, train=dataclasses.replace(base.train, **train))
+
+
+def test_flops_per_token_matches_the_standard_formula():
+    c = GPT2Config.gpt2()
+    n = 124_439_808 - 1024 * 768  # non-embedding params + the tied head (wte) used as a matmul
+    assert c.flops_per_token(1024) == 6 * n + 12 * 12 * 768 * 1024
+    assert isinstance(TrainConfig().steps, int)

@@ -1,0 +1,225 @@
+"""The model: exact numbers on hand-set weights, and equivalences (scan/loop, remat, sharded, HF, KV cache)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gpt2 import GPT2, GPT2Config, create_sharded_model, make_mesh, param_report
+from gpt2.generate import generate
+from gpt2.layers import CausalSelfAttention
+from gpt2.sharding import RULES, ShardingRules, logical_axes_of
+
+NANO = GPT2Config.nano()
+TOKENS = jnp.asarray(np.random.RandomState(0).randint(0, NANO.vocab_size, (4, 12)), jnp.int32)
+
+
+def loss_and_grads(model: GPT2, tokens=TOKENS):
+    graphdef, params = nnx.split(model)
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        return -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean(), logits
+
+    (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return logits, value, grads
+
+
+def flat(state) -> dict:
+    return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+# ---- exact numbers -----------------------------------------------------------------------------
+
+
+def test_attention_averages_only_the_past():
+    """q = k = 0 makes every allowed position equally weighted; v = c_proj = identity exposes the mask."""
+    c = GPT2Config(vocab_size=8, block_size=8, n_layer=1, n_head=1, n_embd=4)
+    attn = CausalSelfAttention(c, rngs=nnx.Rngs(0))
+    kernel = np.zeros((4, 3, 1, 4), np.float32)
+    kernel[:, 2, 0, :] = np.eye(4)  # v = x
+    attn.c_attn.kernel.set_value(jnp.asarray(kernel))
+    attn.c_attn.bias.set_value(jnp.zeros((3, 1, 4)))
+    attn.c_proj.kernel.set_value(jnp.eye(4).reshape(1, 4, 4))
+    attn.c_proj.bias.set_value(jnp.zeros(4))
+    x = jnp.asarray(np.arange(24, dtype=np.float32).reshape(1, 6, 4))
+    y, _ = attn(x)
+    expected = np.cumsum(np.asarray(x[0]), axis=0) / np.arange(1, 7)[:, None]  # mean over s <= t
+    np.testing.assert_allclose(np.asarray(y[0]), expected, rtol=0, atol=1e-5)
+
+
+def test_a_token_never_sees_the_future():
+    model = GPT2(NANO, rngs=nnx.Rngs(0))
+    changed = TOKENS.at[:, 7:].set((TOKENS[:, 7:] + 1) % NANO.vocab_size)
+    a, b = model(TOKENS), model(changed)
+    np.testing.assert_array_equal(np.asarray(a[:, :7]), np.asarray(b[:, :7]))
+    assert not np.allclose(np.asarray(a[:, 7:]), np.asarray(b[:, 7:]))
+
+
+def test_head_is_tied_to_wte_and_masks_padded_ids():
+    c = dataclasses.replace(NANO, pad_vocab_to=128)
+    model = GPT2(c, rngs=nnx.Rngs(0))
+    wte = np.random.RandomState(1).randn(128, c.n_embd).astype(np.float32)
+    model.wte.embedding.set_value(jnp.asarray(wte))
+    x = jnp.asarray(np.random.RandomState(2).randn(2, 3, c.n_embd).astype(np.float32))
+    logits = np.asarray(model._head(x))
+    xn = np.asarray(x)
+    ln = (xn - xn.mean(-1, keepdims=True)) / np.sqrt(xn.var(-1, keepdims=True) + c.layer_norm_epsilon)
+    np.testing.assert_allclose(logits[..., : c.vocab_size], (ln @ wte.T)[..., : c.vocab_size], atol=1e-4)
+    assert (logits[..., c.vocab_size:] == np.finfo(np.float32).min).all()
+
+
+def test_residual_projections_use_the_scaled_init():
+    c = GPT2Config(n_layer=8, n_head=4, n_embd=256, vocab_size=512, block_size=32)
+    model = GPT2(c, rngs=nnx.Rngs(0))
+    assert np.std(np.asarray(model.h.mlp.c_fc.kernel[...])) == pytest.approx(0.02, rel=0.05)
+    assert np.std(np.asarray(model.h.mlp.c_proj.kernel[...])) == pytest.approx(0.02 / 4, rel=0.05)
+    assert np.std(np.asarray(model.h.attn.c_proj.kernel[...])) == pytest.approx(0.02 / 4, rel=0.05)
+
+
+# ---- equivalences ------------------------------------------------------------------------------
+
+
+def unstack(scanned: GPT2) -> GPT2:
+    """The same weights in a python-loop model (h.0, h.1, ... instead of a stacked h)."""
+    c = dataclasses.replace(scanned.config, scan_layers=False)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT2(c, rngs=nnx.Rngs(0))))
+    source = flat(nnx.state(scanned))
+    for path, var in nnx.to_flat_state(state):
+        if path[0] == "h":
+            var.set_value(jnp.asarray(source[("h", *path[2:])][path[1]]))
+        else:
+            var.set_value(jnp.asarray(source[path]))
+    return nnx.merge(graphdef, state)
+
+
+def test_scan_over_layers_equals_python_loop():
+    scanned = GPT2(NANO, rngs=nnx.Rngs(0))
+    looped = unstack(scanned)
+    la, va, ga = loss_and_grads(scanned)
+    lb, vb, gb = loss_and_grads(looped)
+    np.testing.assert_allclose(np.asarray(la), np.asarray(lb), atol=1e-5)
+    gb_stacked = {}
+    for p, v in flat(gb).items():
+        key = ("h", *p[2:]) if p[0] == "h" else p
+        gb_stacked.setdefault(key, []).append((p[1] if p[0] == "h" else 0, v))
+    gb_stacked = {k: (np.stack([v for _, v in sorted(vs)]) if k[0] == "h" else vs[0][1])
+                  for k, vs in gb_stacked.items()}
+    assert max_diff(flat(ga), gb_stacked) < 1e-5
+
+
+@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_remat_changes_nothing_but_memory(scan, policy):
+    base = GPT2(dataclasses.replace(NANO, scan_layers=scan), rngs=nnx.Rngs(0))
+    remat = GPT2(dataclasses.replace(NANO, scan_layers=scan, remat=policy), rngs=nnx.Rngs(0))
+    la, va, ga = loss_and_grads(base)
+    lb, vb, gb = loss_and_grads(remat)
+    np.testing.assert_allclose(np.asarray(la), np.asarray(lb), atol=1e-5)
+    assert max_diff(flat(ga), flat(gb)) < 1e-5
+
+
+MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4)]
+
+
+@pytest.mark.parametrize("rules", sorted(RULES))
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_sharded_equals_unsharded(rules, shape):
+    config = dataclasses.replace(NANO, n_head=4, pad_vocab_to=128)  # 4 heads / 128 vocab split over tensor=4
+    mesh = make_mesh(*shape)
+    table = ShardingRules.preset(rules)
+    sharded = create_sharded_model(config, mesh, table, seed=0)
+    # every parameter was born with the layout its logical names and the table give
+    for path, var in nnx.to_flat_state(nnx.state(sharded, nnx.Param)):
+        expected = jax.sharding.NamedSharding(mesh, table.spec(logical_axes_of(var)))
+        assert var.get_value().sharding.is_equivalent_to(expected, var.get_value().ndim), path
+    reference = GPT2(config, rngs=nnx.Rngs(0))
+    # same random bits whatever the layout (threefry is partitionable); jit vs eager rounding differs by ~1 ulp
+    assert max_diff(flat(nnx.state(sharded)), flat(nnx.state(reference))) < 1e-7
+    tokens = jnp.tile(TOKENS, (2, 1))  # batch 8: divisible by every data×fsdp size above
+    with jax.set_mesh(mesh):
+        ls, vs, gs = loss_and_grads(sharded, tokens)
+    lr, vr, gr = loss_and_grads(reference, tokens)
+    np.testing.assert_allclose(np.asarray(ls), np.asarray(lr), atol=1e-5)
+    assert abs(float(vs) - float(vr)) < 1e-5
+    assert max_diff(flat(gs), flat(gr)) < 1e-5
+
+
+def test_param_report_lists_every_parameter_with_its_bytes():
+    mesh = make_mesh(2, 2, 2)
+    model = create_sharded_model(dataclasses.replace(NANO, pad_vocab_to=128), mesh, "fsdp_tp")
+    report = param_report(model, mesh)
+    assert "wte.embedding" in report and "P('tensor', 'fsdp')" in report
+    # wte is [128, 32] float32 split 2 × 2 -> 64 × 16 × 4 bytes per device
+    row = next(line for line in report.splitlines() if line.startswith("wte.embedding"))
+    assert row.split()[-1] == f"{64 * 16 * 4:,}"
+    assert report.splitlines()[-1].startswith("29,056 parameters") is False  # padded vocab counted
+    assert f"{dataclasses.replace(NANO, pad_vocab_to=128).num_params():,} parameters" in report
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_kv_cache_generation_equals_full_recompute(scan):
+    model = GPT2(dataclasses.replace(NANO, scan_layers=scan), rngs=nnx.Rngs(0))
+    prompt = TOKENS[:2, :4]
+    for temperature, top_k in ((0.0, None), (1.0, 10)):
+        cached = generate(model, prompt, 10, key=jax.random.PRNGKey(0), temperature=temperature, top_k=top_k)
+        full = generate(model, prompt, 10, key=jax.random.PRNGKey(0), temperature=temperature, top_k=top_k,
+                        use_cache=False)
+        np.testing.assert_array_equal(np.asarray(cached), np.asarray(full))
+    with pytest.raises(ValueError, match="exceeds the model's context of 16"):
+        generate(model, prompt, 13, key=jax.random.PRNGKey(0))
+
+
+# ---- Hugging Face parity -----------------------------------------------------------------------
+
+HF_SHAPES = [
+    dict(vocab_size=101, n_positions=32, n_embd=48, n_layer=3, n_head=4),
+    dict(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=8),
+]
+
+
+@pytest.mark.parametrize("shape", HF_SHAPES, ids=["48x3", "64x2"])
+@pytest.mark.parametrize("scan", [True, False])
+def test_hf_import_and_export_match_transformers(tmp_path, shape, scan):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from gpt2 import from_hf, to_hf
+
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**shape)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    ids = np.random.RandomState(0).randint(0, shape["vocab_size"], (2, 20))
+    with torch.no_grad():
+        expected = hf(torch.tensor(ids)).logits.numpy()
+
+    ours = from_hf(tmp_path / "hf", scan_layers=scan, pad_vocab_to=128)
+    logits = np.asarray(ours(jnp.asarray(ids)))[..., : shape["vocab_size"]]
+    assert np.abs(logits - expected).max() <= 1e-4
+
+    to_hf(ours, tmp_path / "export")
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "export").eval()
+    with torch.no_grad():
+        again = reloaded(torch.tensor(ids)).logits.numpy()
+    assert np.abs(again - logits).max() <= 1e-4
+
+
+def test_hf_import_straight_into_a_sharded_layout(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from gpt2 import from_hf
+
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(**HF_SHAPES[1])).save_pretrained(tmp_path)
+    mesh = make_mesh(2, 2, 2)
+    model = from_hf(tmp_path, mesh=mesh, rules="fsdp_tp")
+    kernel = model.h.mlp.c_fc.kernel.get_value()
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    with pytest.raises(FileNotFoundError, match="not a Hugging Face checkpoint directory"):
+        from_hf(tmp_path / "missing")
