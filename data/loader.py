@@ -150,6 +150,10 @@ def make_dataset(
     read = grain.ReadOptions(num_threads=max(1, cfg.prefetch), prefetch_buffer_size=cfg.prefetch)
     it = ds.to_iter_dataset(read)
     if cfg.num_workers > 0:
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags; we have no absl main
+            flags.FLAGS.mark_as_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers))
     return it
 

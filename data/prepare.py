@@ -181,8 +181,8 @@ def _tokenize(ds, cfg: PrepareConfig, *, desc: str, quiet: bool) -> Iterator[np.
     field = cfg.text_field
 
     def encode(batch):
-        ids = enc.encode_ordinary_batch(batch[field])
-        return {"ids": [np.asarray(x + [EOT], dtype=TOKEN_DTYPE) for x in ids]}
+        ids = enc.encode_ordinary_batch(batch[field])  # empty documents are dropped, not kept as a bare EOT
+        return {"ids": [np.asarray(x + [EOT], dtype=TOKEN_DTYPE) for x in ids if x]}
 
     import datasets
 

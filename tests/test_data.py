@@ -1,0 +1,274 @@
+"""Tokenizer, corpus preparation with `datasets`, and the Grain loader."""
+
+import hashlib
+import itertools
+import json
+import lzma
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+from data import tokenizer
+from data.loader import LoaderConfig, TokenWindows, make_dataset, open_corpus
+from data.prepare import DataError, PrepareConfig, prepare
+from data.tokenizer import EOT, RANKS_FILE, RANKS_SHA256, get_tokenizer
+
+SAMPLE = (
+    "Hello world<|endoftext|> It's 2024: naïve café — 𝔘𝔫𝔦𝔠𝔬𝔡𝔢, emojis 🤖🚀, tabs\t\tand   spaces,\n\n"
+    "code: def f(x): return x**2  # comment\nnumbers 1234567 3.14159 -42, CAPS and MiXeD, don't won't y'all"
+)
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------
+
+
+def test_shipped_rank_file_is_tiktokens_r50k_base():
+    data = RANKS_FILE.read_bytes()
+    assert len(data) == 835_554
+    assert hashlib.sha256(data).hexdigest() == RANKS_SHA256
+
+
+def test_encoding_equals_tiktokens_own(tmp_path, monkeypatch):
+    """tiktoken's registered r50k_base (GPT-2's ranks and regex), fed the same file via its cache."""
+    import tiktoken
+    import tiktoken.registry
+
+    url = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
+    shutil.copy(RANKS_FILE, tmp_path / hashlib.sha1(url.encode()).hexdigest())
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
+    reference = tiktoken.get_encoding("r50k_base")
+    ours = get_tokenizer()
+    assert ours.encode(SAMPLE, allowed_special="all") == reference.encode(SAMPLE, allowed_special="all")
+    assert ours.encode("Hello world<|endoftext|>", allowed_special="all") == [15496, 995, 50256]
+    assert ours.decode(ours.encode(SAMPLE, allowed_special="all")) == SAMPLE
+    assert ours.n_vocab == 50257 and ours.eot_token == EOT
+
+
+def test_corrupt_rank_file_is_refused(tmp_path, monkeypatch):
+    bad = tmp_path / "r50k_base.tiktoken"
+    bad.write_bytes(RANKS_FILE.read_bytes()[:-10])
+    monkeypatch.setattr(tokenizer, "RANKS_FILE", bad)
+    tokenizer.get_tokenizer.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="corrupt tokenizer file"):
+            tokenizer.get_tokenizer()
+    finally:
+        tokenizer.get_tokenizer.cache_clear()
+
+
+# ---- preparation -------------------------------------------------------------------------------
+
+
+def _docs(n=40):
+    rng = np.random.RandomState(0)
+    words = ["thou", "art", "café", "🚀", "the", "king", "'s", "\n", "12", "lord"]
+    return [" ".join(rng.choice(words, size=rng.randint(5, 60))) for _ in range(n)]
+
+
+def _decode_all(directory, meta, split):
+    enc = get_tokenizer()
+    tokens = np.concatenate([np.fromfile(directory / f, dtype="<u2") for f in meta[f"{split}_files"]])
+    return [enc.decode(t.tolist()) for t in np.split(tokens, np.where(tokens == EOT)[0] + 1) if len(t)]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "txt.xz"])
+def test_prepare_round_trips_local_files(tmp_path, kind):
+    docs = _docs()
+    if kind == "jsonl":
+        src = tmp_path / "docs.jsonl"
+        src.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+        cfg = PrepareConfig(source=str(src), out_dir=str(tmp_path / "out"), text_field="body", val_fraction=0.1)
+    else:  # one document per file with the text builder's sample_by="document"
+        for i, d in enumerate(docs):
+            with lzma.open(tmp_path / f"doc{i:02d}.txt.xz", "wt") as f:
+                f.write(d)
+        cfg = PrepareConfig(source=str(tmp_path / "doc*.txt.xz"), out_dir=str(tmp_path / "out"),
+                            val_fraction=0.1)
+    out = prepare(cfg, quiet=True)
+    meta = json.loads((out / "meta.json").read_text())
+    train, val = _decode_all(out, meta, "train"), _decode_all(out, meta, "val")
+    assert len(val) == 4 and len(train) == 36
+    assert sorted(d + "<|endoftext|>" for d in docs) == sorted(train + val)
+    assert meta["train_tokens"] == (out / "train.bin").stat().st_size // 2
+    assert meta["tokenizer_sha256"] == RANKS_SHA256 and meta["vocab_size"] == 50257
+
+
+def test_prepare_is_a_no_op_unless_overwrite(tmp_path):
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs()))
+    cfg = PrepareConfig(source=str(src), out_dir=str(tmp_path / "out"), val_fraction=0.1)
+    out = prepare(cfg, quiet=True)
+    before = (out / "train.bin").stat().st_mtime_ns
+    prepare(cfg, quiet=True)
+    assert (out / "train.bin").stat().st_mtime_ns == before
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(20)))
+    import dataclasses
+
+    prepare(dataclasses.replace(cfg, overwrite=True), quiet=True)
+    assert json.loads((out / "meta.json").read_text())["train_tokens"] < before  # smaller corpus now
+    assert not list(out.glob(".tmp-*"))
+
+
+def test_prepare_shards_large_splits(tmp_path):
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs()))
+    out = prepare(PrepareConfig(source=str(src), out_dir=str(tmp_path / "o"), val_fraction=0.1,
+                                shard_tokens=300), quiet=True)
+    meta = json.loads((out / "meta.json").read_text())
+    assert len(meta["train_files"]) > 1
+    sizes = [(out / f).stat().st_size // 2 for f in meta["train_files"]]
+    assert all(s == 300 for s in sizes[:-1]) and sum(sizes) == meta["train_tokens"]
+
+
+@pytest.mark.parametrize(
+    "make_source, kwargs, message",
+    [
+        (lambda p: str(p / "missing.jsonl"), {}, "missing.jsonl: no such file or directory"),
+        (lambda p: str(p / "nothing-*.jsonl"), {}, "no files match"),
+        (lambda p: _write(p / "d.jsonl", [{"body": "x"}, {"body": "y"}]), {}, "no text field 'text'; fields are"),
+        (lambda p: _write(p / "d.jsonl", [{"text": ""}, {"text": ""}]), {}, "has no text"),
+    ],
+)
+def test_prepare_errors_name_the_path(tmp_path, make_source, kwargs, message):
+    with pytest.raises(DataError, match=message):
+        prepare(PrepareConfig(source=make_source(tmp_path), out_dir=str(tmp_path / "out"), val_fraction=0.5,
+                              **kwargs), quiet=True)
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_prepare_cli_one_line_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "data.prepare", "--source", str(tmp_path / "nope.txt"),
+                        "--out_dir", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'nope.txt'}: no such file or directory"
+
+
+# ---- loader ------------------------------------------------------------------------------------
+
+
+def _batches(files, n, **kw):
+    cfg = LoaderConfig(**{"seq_len": 32, "batch_size": 4, "seed": 0, **kw})
+    return list(itertools.islice(make_dataset(files, 50257, cfg, shard_index=0, shard_count=1), n))
+
+
+def test_windows_are_shifted_targets_within_vocab(shakespeare):
+    files = open_corpus(shakespeare, vocab_size=50257, min_tokens=33).files("train")
+    source = TokenWindows(files, 32, 50257)
+    tokens = np.fromfile(files[0], dtype="<u2")
+    assert len(source) == (len(tokens) - 1) // 32
+    np.testing.assert_array_equal(source[5], tokens[160:193])  # inputs = w[:-1], targets = w[1:]
+    batch = _batches(files, 1)[0]
+    assert batch.shape == (1, 4, 33) and batch.dtype == np.int32
+    assert batch.max() < 50257 and batch.min() >= 0
+
+
+def test_same_seed_same_batches_other_seed_other_order(shakespeare):
+    files = open_corpus(shakespeare, vocab_size=50257, min_tokens=33).files("train")
+    a, b, c = _batches(files, 5), _batches(files, 5), _batches(files, 5, seed=1)
+    assert all((x == y).all() for x, y in zip(a, b))
+    assert not all((x == y).all() for x, y in zip(a, c))
+
+
+def test_k_steps_group_consecutive_batches(shakespeare):
+    files = open_corpus(shakespeare, vocab_size=50257, min_tokens=33).files("train")
+    single = np.concatenate(_batches(files, 8))  # [8, 4, 33]
+    grouped = np.concatenate(_batches(files, 2, steps_per_call=4))  # 2 × [4, 4, 33]
+    np.testing.assert_array_equal(single, grouped)
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_process_shards_are_disjoint_and_cover_the_epoch(tmp_path, count):
+    tokens = np.arange(64 * 10 + 1, dtype="<u2")  # 20 windows of 32, each identified by its first token
+    (tmp_path / "t.bin").write_bytes(tokens.tobytes())
+    files = [tmp_path / "t.bin"]
+    cfg = LoaderConfig(seq_len=32, batch_size=1, seed=3, num_epochs=1)
+    shards = [
+        [int(b[0, 0, 0]) // 32 for b in make_dataset(files, 50257, cfg, shard_index=i, shard_count=count)]
+        for i in range(count)
+    ]
+    seen = [w for s in shards for w in s]
+    assert len(seen) == len(set(seen)) == 20  # disjoint, and together the whole epoch
+    # every process strides over one global permutation: interleaving the shards gives it back
+    whole = [int(b[0, 0, 0]) // 32 for b in make_dataset(files, 50257, cfg, shard_index=0, shard_count=1)]
+    assert [shards[i % count][i // count] for i in range(20)] == whole
+
+
+def test_uneven_shards_differ_by_at_most_one_window(tmp_path):
+    (tmp_path / "t.bin").write_bytes(np.arange(32 * 10 + 1, dtype="<u2").tobytes())  # 10 windows, 4 shards
+    cfg = LoaderConfig(seq_len=32, batch_size=1, seed=3, num_epochs=1)
+    sizes = [len(list(make_dataset([tmp_path / "t.bin"], 50257, cfg, shard_index=i, shard_count=4)))
+             for i in range(4)]
+    assert sizes == [3, 3, 2, 2]
+
+
+def test_iterator_state_resumes_exactly_through_orbax(shakespeare, tmp_path):
+    import grain
+    import orbax.checkpoint as ocp
+
+    files = open_corpus(shakespeare, vocab_size=50257, min_tokens=33).files("train")
+    cfg = LoaderConfig(seq_len=32, batch_size=4, seed=7, steps_per_call=2)
+    uninterrupted = list(itertools.islice(make_dataset(files, 50257, cfg, shard_index=0, shard_count=1), 8))
+    it = iter(make_dataset(files, 50257, cfg, shard_index=0, shard_count=1))
+    for _ in range(5):
+        next(it)
+    with ocp.CheckpointManager(tmp_path / "ckpt", item_names=("data",)) as mngr:
+        mngr.save(5, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+        mngr.wait_until_finished()
+        fresh = iter(make_dataset(files, 50257, cfg, shard_index=0, shard_count=1))
+        mngr.restore(5, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh)))
+    for expected in uninterrupted[5:]:
+        np.testing.assert_array_equal(next(fresh), expected)
+
+
+def test_worker_processes_give_the_same_batches(shakespeare):
+    files = open_corpus(shakespeare, vocab_size=50257, min_tokens=33).files("train")
+    in_process = _batches(files, 4)
+    workers = _batches(files, 4, num_workers=2)
+    assert all((a == b).all() for a, b in zip(in_process, workers))
+
+
+# ---- corpus validation -------------------------------------------------------------------------
+
+
+def _corpus_copy(shakespeare, tmp_path):
+    d = tmp_path / "c"
+    shutil.copytree(shakespeare, d)
+    return d
+
+
+def test_open_corpus_errors_name_the_path(shakespeare, tmp_path):
+    with pytest.raises(DataError, match="dataset directory does not exist"):
+        open_corpus(tmp_path / "none", vocab_size=50257, min_tokens=33)
+    d = _corpus_copy(shakespeare, tmp_path)
+    with pytest.raises(DataError, match="fewer than one window"):
+        open_corpus(d, vocab_size=50257, min_tokens=10**9)
+    with pytest.raises(DataError, match="exceeds the model's 1000"):
+        open_corpus(d, vocab_size=1000, min_tokens=33)
+    meta = json.loads((d / "meta.json").read_text())
+    (d / "meta.json").write_text(json.dumps({**meta, "tokenizer": "cl100k_base", "tokenizer_sha256": "abc"}))
+    with pytest.raises(DataError, match="tokenized with 'cl100k_base'"):
+        open_corpus(d, vocab_size=50257, min_tokens=33)
+    (d / "meta.json").write_text(json.dumps(meta))
+    with open(d / "val.bin", "ab") as f:
+        f.write(b"\x01")
+    with pytest.raises(DataError, match="val.bin: .* not a whole number of uint16 tokens"):
+        open_corpus(d, vocab_size=50257, min_tokens=33)
+    (d / "meta.json").unlink()
+    with pytest.raises(DataError, match="meta.json: missing"):
+        open_corpus(d, vocab_size=50257, min_tokens=33)
+
+
+def test_token_ids_beyond_the_vocabulary_are_reported(tmp_path):
+    (tmp_path / "t.bin").write_bytes(np.full(100, 60000, dtype="<u2").tobytes())
+    with pytest.raises(DataError, match="token id 60000 .* >= vocab size 50257"):
+        TokenWindows([tmp_path / "t.bin"], 32, 50257)[0]
