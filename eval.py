@@ -75,7 +75,7 @@ class EvalConfig:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg = parse(EvalConfig, argv, prog="eval.py")
+        cfg = parse(EvalConfig, argv, prog="eval.py", bool_flags=True)
         if (cfg.run_dir is None) == (cfg.hf is None):
             raise ConfigError("give exactly one of --run_dir (a training run) or --hf (Hugging Face weights)")
         return evaluate_hf(cfg) if cfg.hf else evaluate_run(cfg)

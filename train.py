@@ -66,8 +66,8 @@ def train(cfg: Config) -> int:
     mesh = build_mesh(cfg)
     corpus = resolve_corpus(cfg)
     run_dir = Path(cfg.run_dir)
-    ckpt = Checkpoints(run_dir, cfg.checkpoint)
     trainer = Trainer.build(cfg, mesh)
+    ckpt = Checkpoints(run_dir, cfg.checkpoint)  # the first thing that writes to the run directory
     train_iter = iter(make_dataset(corpus.files("train"), cfg.model.vocab_size, train_loader_config(cfg)))
     main_process = jax.process_index() == 0
 

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Literal
 
 from gpt2.config import ConfigError, GPT2Config
+from gpt2.sharding import ShardingRules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,5 +198,6 @@ def validate(c: Config) -> None:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.block_size={c.model.block_size}")
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.grad_accum={t.grad_accum} must divide train.batch_size={t.batch_size}")
+    ShardingRules.preset(c.mesh.rules)  # an unknown preset name fails here, before any work
     if not 0.0 <= c.optim.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {c.optim.min_lr_ratio}")

@@ -23,27 +23,31 @@ T = TypeVar("T")
 _BOX = re.compile(r"[│╭╮╰╯─]+")
 
 
-def parse(cls: type[T], argv: list[str] | None, *, default: T | None = None, prog: str) -> T:
-    """Parses argv into `cls` (starting from `default`); exits with status 2 and one line on bad input."""
+def parse(
+    cls: type[T], argv: list[str] | None, *, default: T | None = None, prog: str, bool_flags: bool = False
+) -> T:
+    """Parses argv into `cls` (starting from `default`); exits with status 2 and one line on bad input.
+
+    bool_flags: booleans are bare switches (`--all`, `--no-wandb`) instead of taking a value
+    (`--log.progress=False`, the form config overrides use).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
+    conf = () if bool_flags else (tyro.conf.FlagConversionOff,)
     if "-h" in argv or "--help" in argv:
-        return tyro.cli(cls, default=default, args=argv, prog=prog, config=_CONF)
+        return tyro.cli(cls, default=default, args=argv, prog=prog, config=conf, use_underscores=True)
     unknown = _unknown_flags(cls, argv)
     if unknown:
         fail(unknown)
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            return tyro.cli(cls, default=default, args=argv, prog=prog, config=_CONF)
+            return tyro.cli(cls, default=default, args=argv, prog=prog, config=conf, use_underscores=True)
     except SystemExit as e:
         if e.code in (0, None):
             raise
         fail(_condense(stderr.getvalue()))
     except ValueError as e:  # a dataclass __post_init__ check (e.g. GPT2Config) rejected the values
         fail(str(e))
-
-
-_CONF = (tyro.conf.FlagConversionOff,)  # booleans take a value: --log.progress=False
 
 
 def fail(message: str) -> typing.NoReturn:
@@ -55,10 +59,14 @@ def _condense(text: str) -> str:
     """The first paragraph of tyro's error box as one line."""
     lines = []
     for raw in text.splitlines():
-        if re.fullmatch(r"\s*[│├]?\s*─{3,}.*", raw) and lines:
-            break  # tyro separates the message from help text with a rule
+        if "╭" in raw or "╰" in raw:  # top border (carries the title) and bottom border
+            continue
         line = _BOX.sub(" ", raw).strip()
-        if line and not line.lower().startswith(("value error", "invalid choice", "parsing error")):
+        if not line and lines:
+            continue
+        if re.fullmatch(r"[│\s]*─{3,}[─│\s]*", raw):
+            break  # tyro separates the message from help text with a rule
+        if line:
             lines.append(line)
     return " ".join(lines) or text.strip()
 
@@ -82,6 +90,8 @@ def _unknown_flags(cls: type, argv: list[str]) -> str | None:
             continue
         key = arg[2:].split("=", 1)[0].replace("-", "_")
         section, _, name = key.rpartition(".")
+        if name.startswith("no_") and name[3:] in sections.get(section, ()):
+            continue  # tyro's negated switch of a boolean
         if section in sections and name in sections[section]:
             continue
         if key in sections:  # a whole section given as one flag

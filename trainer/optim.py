@@ -7,7 +7,6 @@ import optax
 from flax import nnx
 
 from configs.base import OptimConfig
-from gpt2.sharding import logical_axes_of
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -20,15 +19,16 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 
 def decay_mask(params: nnx.State) -> nnx.State:
-    """True for parameters with ≥2 non-`layers` axes (kernels, embeddings); biases and norms are not decayed.
+    """True for matmul weights and embeddings (GPT-2's 2-D weights); biases and norm scales are not decayed.
 
-    Decided from the logical axes, not `ndim`: with scan_layers a LayerNorm scale is [L, D] yet still a vector.
+    Decided by name, not `ndim`: with scan_layers a LayerNorm scale is [L, D], and the fused QKV bias is
+    stored as [3, H, K], yet both are vectors in GPT-2's terms.
     """
 
-    def decays(v: nnx.Variable) -> nnx.Variable:
-        return v.replace(len([a for a in logical_axes_of(v) if a != "layers"]) >= 2)
+    def decays(path, v: nnx.Variable) -> nnx.Variable:
+        return v.replace(path[-1].key in ("kernel", "embedding"))
 
-    return jax.tree.map(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree_util.tree_map_with_path(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:

@@ -114,7 +114,7 @@ class Trainer:
         with jax.named_scope("optimizer"):
             updates, opt_state = self.tx.update(grads, state["opt_state"], params)
             params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": self.schedule(step)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": self.schedule(step)}
         return {**state, "params": params, "opt_state": opt_state, "step": step + 1}, metrics
 
     def _grads(self, params, batch, dropout_key):

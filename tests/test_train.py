@@ -1,0 +1,231 @@
+"""Training: the K-step scan, gradient accumulation, optimizer details, and the real train.py / eval.py CLIs."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs.base import Config, OptimConfig, TrainConfig
+from conftest import SMALL, read_jsonl, run_cli
+from gpt2 import GPT2Config, make_mesh
+from trainer.optim import decay_mask, lr_schedule
+from trainer.step import Trainer
+
+NANO_RUN = Config(model=GPT2Config.nano(), train=TrainConfig(batch_size=8, seq_len=16, steps=10),
+                  optim=OptimConfig(warmup_steps=2))
+BATCHES = np.random.RandomState(0).randint(0, 96, (4, 8, 17)).astype(np.int32)  # [K, B, T+1]
+
+
+def run_calls(cfg: Config, mesh, stacks):
+    trainer = Trainer.build(cfg, mesh)
+    with jax.set_mesh(mesh):
+        call = trainer.train_call()
+        state = trainer.init_state()
+        losses = []
+        for stack in stacks:
+            state, metrics = call(state, jax.device_put(stack, trainer.batch_sharding))
+            losses.extend(np.asarray(metrics["loss"]).tolist())
+        return state, losses
+
+
+def param_diff(a, b) -> float:
+    return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(jnp.abs(x - y).max()), a, b)))
+
+
+@pytest.mark.parametrize("mesh_shape, rules", [((1, 1, 1), "dp"), ((2, 2, 2), "fsdp_tp")])
+def test_one_call_of_k_steps_equals_k_calls_of_one(mesh_shape, rules):
+    cfg = dataclasses.replace(NANO_RUN, mesh=dataclasses.replace(NANO_RUN.mesh, rules=rules))
+    mesh = make_mesh(*mesh_shape, devices=jax.devices()[: int(np.prod(mesh_shape))])
+    scanned, losses_k4 = run_calls(cfg, mesh, [BATCHES])
+    looped, losses_k1 = run_calls(cfg, mesh, [BATCHES[i : i + 1] for i in range(4)])
+    np.testing.assert_allclose(losses_k4, losses_k1, rtol=0, atol=1e-6)
+    assert param_diff(scanned["params"], looped["params"]) <= 1e-6
+    assert int(scanned["step"]) == int(looped["step"]) == 4
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    one, l1 = run_calls(NANO_RUN, mesh, [BATCHES[:2]])
+    accum = dataclasses.replace(NANO_RUN, train=dataclasses.replace(NANO_RUN.train, grad_accum=4))
+    four, l4 = run_calls(accum, mesh, [BATCHES[:2]])
+    np.testing.assert_allclose(l1, l4, rtol=0, atol=1e-6)
+    assert param_diff(one["params"], four["params"]) <= 1e-6
+
+
+def test_weight_decay_skips_biases_and_norms_even_when_stacked():
+    trainer = Trainer.build(NANO_RUN, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    mask = {path: bool(v.get_value()) for path, v in nnx.to_flat_state(decay_mask(trainer.abstract_state()["params"]))}
+    assert mask[("h", "mlp", "c_fc", "kernel")] and mask[("wte", "embedding")]
+    assert not mask[("h", "ln_1", "scale")]  # [L, D] with scan_layers, still a vector per layer
+    assert not mask[("h", "attn", "c_attn", "bias")] and not mask[("ln_f", "bias")]
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    s = lr_schedule(OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1), total_steps=110)
+    assert float(s(0)) == 0.0 and float(s(5)) == pytest.approx(0.5)
+    assert float(s(10)) == pytest.approx(1.0)
+    assert float(s(60)) == pytest.approx(0.55, abs=1e-6)  # halfway down the cosine
+    assert float(s(110)) == pytest.approx(0.1) and float(s(500)) == pytest.approx(0.1)
+
+
+# ---- the real CLIs -----------------------------------------------------------------------------
+
+
+def train_args(run_dir, shakespeare, *extra):
+    return ["--run_dir", str(run_dir), f"--data.cache_dir={shakespeare}", *SMALL, "--train.steps=12",
+            "--checkpoint.every=4", "--checkpoint.keep=5", "--train.eval_every=4", *extra]
+
+
+@pytest.fixture(scope="module")
+def k4_run(tmp_path_factory, shakespeare):
+    """12 steps, K=4, on 8 devices with a 2×2×2 fsdp_tp mesh, wandb offline."""
+    run_dir = tmp_path_factory.mktemp("k4")
+    r = run_cli("train.py", *train_args(run_dir, shakespeare, "--train.steps_per_call=4", "--mesh.data=2",
+                                        "--mesh.fsdp=2", "--mesh.tensor=2", "--mesh.rules=fsdp_tp",
+                                        "--log.wandb=offline", "--train.sample_tokens=8"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run_dir, r
+
+
+@pytest.fixture(scope="module")
+def k1_run(tmp_path_factory, shakespeare):
+    """The same 12 steps one per call, on a single device."""
+    run_dir = tmp_path_factory.mktemp("k1")
+    r = run_cli("train.py", *train_args(run_dir, shakespeare, "--train.steps_per_call=1"), devices=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run_dir, r
+
+
+def step_losses(run_dir):
+    return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def test_cli_run_leaves_metrics_checkpoints_plot_config_and_sample(k4_run):
+    run_dir, result = k4_run
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert set(steps[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"}
+    assert steps[-1]["tokens"] == 12 * 8 * 32
+    assert [r["step"] for r in records if "val_loss" in r] == [4, 8, 12]
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [4, 8, 12]
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((run_dir / "config.json").read_text())["mesh"]["rules"] == "fsdp_tp"
+    assert "--- sample ---\nROMEO:" in result.stdout
+    assert "wte.embedding" in result.stdout  # the parameter report
+
+
+def test_cli_losses_fall(k4_run):
+    val = [r["val_loss"] for r in read_jsonl(k4_run[0] / "metrics.jsonl") if "val_loss" in r]
+    assert val[0] > val[1] > val[2]
+
+
+def wandb_records(path):
+    """The protobuf records of a .wandb file (wandb's LevelDB-style log: 32 KiB blocks, 7-byte headers)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, pending, records = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST fragment
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def test_cli_wandb_offline_run_holds_the_logged_metrics(k4_run):
+    run_dir, _ = k4_run
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    history = list(runs[0].glob("run-*.wandb"))
+    assert history and history[0].stat().st_size > 0
+    logged = [{item.key or ".".join(item.nested_key): item.value_json for item in rec.history.item}
+              for rec in wandb_records(history[0]) if rec.WhichOneof("record_type") == "history"]
+    losses = [json.loads(h["loss"]) for h in logged if "loss" in h]
+    assert losses == pytest.approx(step_losses(run_dir), abs=1e-6)
+    assert [json.loads(h["val_loss"]) for h in logged if "val_loss" in h] == pytest.approx(
+        [r["val_loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "val_loss" in r])
+
+
+def test_cli_k4_on_8_devices_equals_k1_on_1_device(k4_run, k1_run):
+    np.testing.assert_allclose(step_losses(k4_run[0]), step_losses(k1_run[0]), rtol=0, atol=1e-5)
+
+
+def test_cli_exact_resume_is_bitwise(k4_run, shakespeare, tmp_path):
+    extra = ["--train.steps_per_call=4", "--mesh.data=2", "--mesh.fsdp=2", "--mesh.tensor=2",
+             "--mesh.rules=fsdp_tp"]
+    first = run_cli("train.py", *train_args(tmp_path, shakespeare, *extra, "--train.stop_after=4"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert len(step_losses(tmp_path)) == 4
+    second = run_cli("train.py", *train_args(tmp_path, shakespeare, *extra))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+    assert step_losses(tmp_path) == step_losses(k4_run[0])  # bitwise: same floats, same order
+
+
+@pytest.mark.parametrize("source, devices", [("k4_run", 1), ("k1_run", 8)])
+def test_cli_eval_on_other_device_counts_matches(request, source, devices):
+    run_dir, _ = request.getfixturevalue(source)
+    results = {}
+    for n in (devices, 8 if devices == 1 else 1):
+        out = run_dir / f"eval-{n}.json"
+        r = run_cli("eval.py", "--run_dir", str(run_dir), "--batches", "4", "--out", str(out), "--no-wandb",
+                    devices=n)
+        assert r.returncode == 0, r.stderr[-3000:]
+        results[n] = json.loads(out.read_text())["12"]["val_loss"]
+    assert abs(results[1] - results[8]) <= 1e-5
+
+
+def test_cli_eval_all_checkpoints_and_sample(k4_run):
+    run_dir, _ = k4_run
+    r = run_cli("eval.py", "--run_dir", str(run_dir), "--all", "--batches", "2", "--prompt", "KING:",
+                "--max_new_tokens", "5", "--temperature", "0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads((run_dir / "eval.json").read_text())
+    assert sorted(results, key=int) == ["4", "8", "12"]
+    assert results["4"]["val_loss"] > results["12"]["val_loss"]
+    assert r.stdout.count("KING:") == 3
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model.n_layr=2"], "unknown config key --model.n_layr (did you mean model.n_layer?); valid keys"),
+        (["--train.batch_size=many"], "--train.batch_size"),
+        (["--model.dtype=float8"], "float8"),
+        (["--model.n_head=3"], "model.n_head=3 must divide model.n_embd=32"),
+        (["--train.steps=0"], "train.steps must be positive"),
+        (["--train.seq_len=128"], "train.seq_len=128 exceeds model.block_size=64"),
+        (["--mesh.data=3"], "mesh data×fsdp×tensor = 3×1×1 = 3 but there are 8 devices"),
+        (["--mesh.rules=zero3"], "unknown sharding rules preset 'zero3'"),
+        (["--train.batch_size=6"], "not divisible by the data-parallel size mesh.data×mesh.fsdp = 8"),
+        (["--data.dataset=/nonexistent"], "/nonexistent: dataset directory does not exist"),
+    ],
+)
+def test_cli_config_errors_are_one_line(tmp_path, shakespeare, args, message):
+    r = run_cli("train.py", "--run_dir", str(tmp_path / "run"), f"--data.cache_dir={shakespeare}", *SMALL, *args)
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, r.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_cli_refuses_a_checkpoint_of_another_model(k4_run):
+    r = run_cli("train.py", "--run_dir", str(k4_run[0]), *SMALL[1:], "--model.n_layer=3", "--train.steps=16")
+    assert r.returncode == 2
+    assert "checkpoint does not fit this model: model.n_layer: checkpoint 2 vs config 3" in r.stderr
