@@ -42,23 +42,30 @@ class Diverged(RuntimeError):
 
 
 def main(argv: list[str] | None = None) -> int:
-    name, argv = pop_config_name(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    name, argv = pop_option(argv, "--config")
+    topology, argv = pop_option(argv, "--aot")
     try:
-        cfg = parse(Config, argv, default=configs.load(name), prog="train.py")
+        cfg = parse(Config, argv, default=configs.load(name or configs.DEFAULT), prog="train.py")
+        if topology:
+            from trainer.aot import run_aot
+
+            return run_aot(cfg, topology)
         return train(cfg)
     except (ConfigError, DataError, CheckpointError, Diverged) as e:
         fail(str(e))
 
 
-def pop_config_name(argv: list[str]) -> tuple[str, list[str]]:
-    """Takes `--config NAME` / `--config=NAME` out of argv (the preset the other flags override)."""
+def pop_option(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
+    """Takes `flag VALUE` / `flag=VALUE` out of argv. `--config NAME` picks the preset the other flags
+    override; `--aot TOPOLOGY` compiles for a TPU topology instead of training."""
     argv = list(argv)
     for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
+        if arg == flag and i + 1 < len(argv):
             return argv[i + 1], argv[:i] + argv[i + 2:]
-        if arg.startswith("--config="):
+        if arg.startswith(flag + "="):
             return arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
-    return configs.DEFAULT, argv
+    return None, argv
 
 
 def train(cfg: Config) -> int:

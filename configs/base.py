@@ -150,11 +150,16 @@ class DistributedConfig:
       coordinator_address: "host:port" of process 0.
       num_processes: processes in the job.
       process_id: this process's index.
+      heartbeat_timeout_seconds: a process missing this long is declared dead and the others exit with
+        an error instead of waiting forever.
+      initialization_timeout: seconds to wait for every process to join.
     """
 
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    heartbeat_timeout_seconds: int = 100
+    initialization_timeout: int = 300
 
 
 @dataclasses.dataclass(frozen=True)

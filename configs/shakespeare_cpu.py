@@ -9,11 +9,11 @@ from gpt2.config import GPT2Config
 
 CONFIG = Config(
     run_dir="runs/shakespeare_cpu",
-    model=GPT2Config(n_layer=4, n_head=4, n_embd=128, block_size=256, pad_vocab_to=128, scan_layers=True),
+    model=GPT2Config(n_layer=4, n_head=4, n_embd=128, block_size=256, scan_layers=True),
     data=DataConfig(dataset="shakespeare"),
     optim=OptimConfig(lr=2e-3, warmup_steps=50, weight_decay=0.1, min_lr_ratio=0.1),
     train=TrainConfig(
-        steps=600, batch_size=16, seq_len=128, steps_per_call=10,
+        steps=600, batch_size=8, seq_len=128, steps_per_call=10,
         eval_every=100, eval_batches=8, sample_prompt="ROMEO:", sample_tokens=120,
     ),
     checkpoint=CheckpointConfig(every=200, keep=3),

@@ -137,13 +137,27 @@ def logical_axes_of(variable) -> tuple[str | None, ...]:
 
 
 def named_shardings(state, mesh: Mesh, rules: ShardingRules):
-    """NamedSharding for every Variable in an nnx.State, from its logical names and the table."""
+    """NamedSharding for every Variable in an nnx.State, from its logical names and the table.
+
+    Raises if a dimension is not divisible by the mesh axes it is split over (naming the parameter).
+    """
     from flax import nnx
 
-    def one(v):
-        return v.replace(NamedSharding(mesh, rules.spec(logical_axes_of(v))))
+    def one(path, v):
+        logical = logical_axes_of(v)
+        spec = rules.spec(logical)
+        for dim, (size, axes) in enumerate(zip(v.shape, spec)):
+            parts = int(np.prod([mesh.shape[a] for a in _as_tuple(axes)]))
+            if size % parts:
+                name = ".".join(str(getattr(k, "key", k)) for k in path)
+                raise ConfigError(
+                    f"{name}: dimension {dim} ({logical[dim]}, size {size}) cannot be split {parts} ways over"
+                    f" mesh axes {axes!r} (rules {rules.name!r}); pad it (model.pad_vocab_to=128 for the"
+                    " vocabulary) or choose other mesh sizes or rules"
+                )
+        return v.replace(NamedSharding(mesh, spec))
 
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def batch_sharding(mesh: Mesh, rules: ShardingRules, ndim: int = 2) -> NamedSharding:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # A CLI run small enough for the test budget: 2 layers, width 32, 32-token windows.
 SMALL = [
-    "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=64",
+    "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=64", "--model.pad_vocab_to=128",
     "--train.seq_len=32", "--train.batch_size=8", "--train.steps_per_call=2",
     "--train.eval_batches=2", "--train.sample_tokens=0", "--log.wandb=disabled", "--log.progress=False",
     "--optim.warmup_steps=2",

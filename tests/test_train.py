@@ -225,7 +225,8 @@ def test_cli_config_errors_are_one_line(tmp_path, shakespeare, args, message):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_cli_refuses_a_checkpoint_of_another_model(k4_run):
-    r = run_cli("train.py", "--run_dir", str(k4_run[0]), *SMALL[1:], "--model.n_layer=3", "--train.steps=16")
+def test_cli_refuses_a_checkpoint_of_another_model(k4_run, shakespeare):
+    r = run_cli("train.py", "--run_dir", str(k4_run[0]), f"--data.cache_dir={shakespeare}", *SMALL,
+                "--model.n_layer=3", "--train.steps=16")
     assert r.returncode == 2
     assert "checkpoint does not fit this model: model.n_layer: checkpoint 2 vs config 3" in r.stderr

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import grain
+import jax
 import orbax.checkpoint as ocp
 
 from configs.base import CheckpointConfig, Config
@@ -54,17 +55,41 @@ class Checkpoints:
         return self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
 
     def restore(self, step: int, abstract_state: Any, iterator=None) -> Any:
-        """Restores the state (onto the shardings in `abstract_state`) and, if given, the iterator in place."""
+        """Restores the state (onto the shardings in `abstract_state`) and, if given, the iterator in place.
+
+        The state restores onto any mesh and device count (Orbax reshards). The iterator restores through
+        Grain's handler when the process count is unchanged, and otherwise from process 0's file: our
+        loader's position (`next_index`, in K×B-row groups of one global permutation) is the same number
+        in every process and for any process count.
+        """
         args = {STATE: ocp.args.StandardRestore(abstract_state)}
-        if iterator is not None:
+        data_dir = self.directory / str(step) / DATA
+        own_file = data_dir / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        if iterator is not None and own_file.exists():
             args[DATA] = grain.checkpoint.CheckpointRestore(iterator)
-        return self.manager.restore(step, args=ocp.args.Composite(**args))[STATE]
+        state = self.manager.restore(step, args=ocp.args.Composite(**args))[STATE]
+        if iterator is not None and not own_file.exists():
+            _restore_other_process_count(data_dir, iterator)
+        return state
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _restore_other_process_count(data_dir: Path, iterator) -> None:
+    files = sorted(data_dir.glob("process_0-of-*.json"))
+    if not files:
+        raise CheckpointError(f"{data_dir}: no data-iterator state in this checkpoint")
+    state = json.loads(files[0].read_text())
+    if set(state) != {"next_index"}:
+        raise CheckpointError(
+            f"{files[0]}: the data-iterator state of a run with Grain workers cannot move to another"
+            " process count; resume with the original number of processes"
+        )
+    iterator.set_state(state)
 
 
 def check_compatible(saved: dict, config: Config, where: Path) -> None:

@@ -27,9 +27,13 @@ def initialize_distributed(cfg: Config) -> None:
         pid = d.process_id if d.process_id is not None else int(os.environ["JAX_PROCESS_ID"])
         if os.environ.get("JAX_PLATFORMS", "") == "cpu" or jax.config.jax_platforms == "cpu":
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+        jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid,
+                                   heartbeat_timeout_seconds=d.heartbeat_timeout_seconds,
+                                   initialization_timeout=d.initialization_timeout)
     elif _on_tpu_vm():
-        jax.distributed.initialize()  # auto-detects the pod's hosts from the TPU metadata
+        # auto-detects the pod's hosts from the TPU metadata
+        jax.distributed.initialize(heartbeat_timeout_seconds=d.heartbeat_timeout_seconds,
+                                   initialization_timeout=d.initialization_timeout)
 
 
 def _on_tpu_vm() -> bool:

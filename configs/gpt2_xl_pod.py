@@ -1,0 +1,24 @@
+"""GPT-2 XL (1.5B) on a TPU v5e-256 pod (64 hosts × 4 chips) with FSDP.
+
+Sizing (checked with `--aot v5e:16x16`, see README): 1M tokens per step (1024 × 1024, GPT-3's batch for
+this size), 4 sequences per chip. FSDP shards the 1.5B float32 parameters and AdamW moments (~19 GB) 64 ways
+(~0.3 GB per chip); 64, not 256, because FSDP splits the width (1600 = 64 × 25 cannot split 256 ways), and
+the remaining factor 4 is plain data parallelism. Full remat of each block keeps the activations at ~3.4 GB of
+the 16 GB HBM.
+"""
+
+from configs.base import CheckpointConfig, Config, DataConfig, MeshConfig, OptimConfig, TrainConfig
+from gpt2.config import GPT2Config
+
+CONFIG = Config(
+    run_dir="runs/gpt2_xl",  # on a pod: shared storage every host sees (a gcsfuse / NFS mount)
+    model=GPT2Config.gpt2_xl(pad_vocab_to=128, dtype="bfloat16", scan_layers=True, remat="full"),
+    data=DataConfig(dataset="/data/fineweb", num_workers=8, prefetch=4),
+    optim=OptimConfig(lr=2e-4, warmup_steps=1000, min_lr_ratio=0.1),
+    train=TrainConfig(
+        steps=30_000, batch_size=1024, seq_len=1024, grad_accum=1, steps_per_call=10,
+        eval_every=1000, eval_batches=20, sample_prompt="The meaning of life is",
+    ),
+    mesh=MeshConfig(data=4, fsdp=-1, tensor=1, rules="fsdp"),
+    checkpoint=CheckpointConfig(every=500, keep=2, keep_every=5000),
+)

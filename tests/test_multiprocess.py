@@ -1,0 +1,110 @@
+"""Several JAX processes on this machine (CPU collectives over 127.0.0.1), as on a multi-host pod."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, SMALL, read_jsonl, run_cli
+from tools.launch import free_port
+
+COMMON = [*SMALL, "--train.steps=8", "--train.eval_every=4", "--checkpoint.every=4", "--mesh.fsdp=2"]
+
+
+def launch(run_dir, shakespeare, *extra, num_processes=2, devices=4, timeout=600):
+    cmd = [sys.executable, "-m", "tools.launch", "--num_processes", str(num_processes), "--devices_per_process",
+           str(devices), "--grace", "20", "--", sys.executable, "train.py", "--run_dir", str(run_dir),
+           f"--data.cache_dir={shakespeare}", *COMMON, *extra]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(run_dir):
+    return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, shakespeare):
+    run_dir = tmp_path_factory.mktemp("mp")
+    r = launch(run_dir, shakespeare)
+    assert r.returncode == 0, r.stdout[-3000:]
+    return run_dir, r
+
+
+def test_two_processes_equal_one(two_process_run, shakespeare, tmp_path):
+    run_dir, result = two_process_run
+    single = run_cli("train.py", "--run_dir", str(tmp_path), f"--data.cache_dir={shakespeare}", *COMMON)
+    assert single.returncode == 0, single.stderr[-3000:]
+    np.testing.assert_allclose(losses(run_dir), losses(tmp_path), rtol=0, atol=1e-5)
+    assert len(losses(run_dir)) == 8
+    # only process 0 reports: one parameter report, one set of metrics
+    assert result.stdout.count("[p0] step 4: val_loss") == 1 and "[p1] step 4: val_loss" not in result.stdout
+    assert "[p1] wte.embedding" not in result.stdout and "[p0] wte.embedding" in result.stdout
+    # both processes wrote their own data-iterator state into the checkpoint
+    data = sorted(p.name for p in (run_dir / "checkpoints" / "8" / "data").glob("process_*"))
+    assert data == ["process_0-of-2.json", "process_1-of-2.json"]
+
+
+def test_two_process_checkpoint_resumes_in_one_process_on_another_mesh(two_process_run, shakespeare, tmp_path):
+    reference, _ = two_process_run
+    first = launch(tmp_path, shakespeare, "--train.stop_after=4")
+    assert first.returncode == 0, first.stdout[-3000:]
+    resumed = run_cli("train.py", "--run_dir", str(tmp_path), f"--data.cache_dir={shakespeare}", *COMMON,
+                      "--mesh.fsdp=1", "--mesh.rules=dp")  # data 8: another mesh, replicated params
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    np.testing.assert_allclose(losses(tmp_path), losses(reference), rtol=0, atol=1e-5)
+
+
+def test_sigterm_saves_everywhere_at_one_step_and_resumes(two_process_run, shakespeare, tmp_path):
+    cmd = [sys.executable, "-m", "tools.launch", "--num_processes", "2", "--devices_per_process", "4", "--",
+           sys.executable, "train.py", "--run_dir", str(tmp_path), f"--data.cache_dir={shakespeare}", *COMMON,
+           "--train.steps=400", "--checkpoint.every=1000", "--train.eval_every=0"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
+        assert time.time() < deadline and proc.poll() is None, "training did not start"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "stopped by SIGTERM at step" in out
+    steps = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(steps) == 1 and 4 <= steps[0] < 400
+    data = sorted(p.name for p in (tmp_path / "checkpoints" / str(steps[0]) / "data").glob("process_*"))
+    assert data == ["process_0-of-2.json", "process_1-of-2.json"]
+    # the restart continues from that step with the same losses as the uninterrupted 8-step run
+    if steps[0] < 8:
+        resumed = launch(tmp_path, shakespeare)
+        assert resumed.returncode == 0, resumed.stdout[-3000:]
+        np.testing.assert_allclose(losses(tmp_path), losses(two_process_run[0]), rtol=0, atol=1e-5)
+
+
+def test_a_dead_process_makes_the_others_fail_in_bounded_time(shakespeare, tmp_path):
+    port = free_port()
+    procs = []
+    for pid in range(2):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+               "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid)}
+        procs.append(subprocess.Popen(
+            [sys.executable, "train.py", "--run_dir", str(tmp_path), f"--data.cache_dir={shakespeare}", *COMMON,
+             "--train.steps=400", "--train.eval_every=0", "--checkpoint.every=1000",
+             "--distributed.heartbeat_timeout_seconds=10"],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert time.time() < deadline and procs[0].poll() is None, "training did not start"
+        time.sleep(0.5)
+    procs[1].kill()
+    killed = time.time()
+    try:
+        procs[0].wait(timeout=120)
+    finally:
+        procs[0].kill()
+    assert procs[0].returncode != 0
+    assert time.time() - killed < 120

@@ -1,0 +1,148 @@
+"""Ahead-of-time compilation of the real train call for a TPU topology, on a machine without TPUs.
+
+`python train.py --config gpt2_xl_pod --aot v5e:16x16` lowers and compiles exactly what a pod would run
+(model, sharding rules, optimizer, K-step scan, batch) against libtpu's description of the topology, with
+abstract arrays only, and reports per-device memory against the chip's HBM, FLOPs and XLA's step-time estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from configs.base import Config
+from gpt2.config import ConfigError
+from trainer.metrics import PEAK_FLOPS
+from trainer.setup import build_mesh
+from trainer.step import Trainer
+
+# HBM per chip in bytes and the devices per host of each generation (Cloud TPU documentation).
+CHIPS = {
+    "v4": dict(hbm=32 * 2**30, host=(2, 2, 1), peak=PEAK_FLOPS["TPU v4"]),
+    "v5e": dict(hbm=16 * 2**30, host=(2, 2, 1), peak=PEAK_FLOPS["TPU v5e"]),
+    "v5p": dict(hbm=95 * 2**30, host=(2, 2, 1), peak=PEAK_FLOPS["TPU v5p"]),
+    "v6e": dict(hbm=32 * 2**30, host=(2, 2, 1), peak=PEAK_FLOPS["TPU v6e"]),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AotReport:
+    topology: str
+    devices: int
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    hbm_bytes: int
+    flops_per_step: float  # per device, from XLA's cost analysis (a loop body counted once)
+    model_flops_per_step: float  # per device, 6N + attention
+    optimal_seconds: float  # XLA's step-time estimate for the whole call (<= 0: none given)
+    steps_per_call: int
+
+    @property
+    def estimated_step_s(self) -> float | None:
+        return self.optimal_seconds / self.steps_per_call if self.optimal_seconds > 0 else None
+
+    @property
+    def total_bytes(self) -> int:
+        # donated arguments alias outputs: count their buffers once
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.hbm_bytes
+
+    def text(self, peak: float) -> str:
+        gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
+        lines = [
+            f"AOT compile for {self.topology} ({self.devices} devices), per device:",
+            f"  arguments   {gib(self.argument_bytes)}",
+            f"  outputs     {gib(self.output_bytes)}  (of which {gib(self.alias_bytes).strip()} alias donated arguments)",
+            f"  temporaries {gib(self.temp_bytes)}",
+            f"  total       {gib(self.total_bytes)}  of {gib(self.hbm_bytes).strip()} HBM"
+            f"  ({self.total_bytes / self.hbm_bytes:.0%})",
+            f"  FLOPs/step  {self.model_flops_per_step:.3e} (6N + attention); XLA's cost analysis counts"
+            f" {self.flops_per_step:.3e} (each scanned loop body once)",
+        ]
+        if self.estimated_step_s:
+            mfu = self.model_flops_per_step / self.estimated_step_s / peak
+            lines.append(f"  est. step   {self.estimated_step_s * 1e3:.1f} ms (XLA cost model) -> MFU {mfu:.1%}")
+        else:
+            lines.append(f"  est. step   none: XLA's cost model returned optimal_seconds={self.optimal_seconds:.3g}"
+                         f" for this program; at {peak / 1e12:.0f} TFLOP/s the model FLOPs alone take"
+                         f" {self.model_flops_per_step / peak * 1e3:.1f} ms")
+        lines.append("  fits in HBM" if self.fits else "  DOES NOT FIT in HBM")
+        return "\n".join(lines)
+
+
+def chip_of(topology: str) -> tuple[str, dict]:
+    chip = topology.split(":")[0]
+    if chip not in CHIPS:
+        raise ConfigError(f"--aot {topology}: unknown TPU generation {chip!r}; known: {sorted(CHIPS)}")
+    return chip, CHIPS[chip]
+
+
+def topology_devices(topology: str):
+    from jax.experimental import topologies
+
+    chip, spec = chip_of(topology)
+    try:
+        topo = topologies.get_topology_desc(
+            platform="tpu", topology_name=topology, chip_config_name="default",
+            chips_per_host_bounds=spec["host"], num_slices=1,
+        )
+    except Exception as e:  # libtpu missing, or a name it does not know
+        raise ConfigError(f"--aot {topology}: cannot describe this topology ({str(e).splitlines()[0]});"
+                          " install the `tpu` extra (pip install -e '.[tpu]')") from None
+    return topo.devices
+
+
+def compile_for_topology(cfg: Config, topology: str) -> AotReport:
+    """Compiles the K-step train call for `topology`; allocates no arrays."""
+    _, spec = chip_of(topology)
+    devices = topology_devices(topology)
+    mesh = build_mesh(cfg, devices=devices)
+    trainer = Trainer.build(cfg, mesh)
+    t = cfg.train
+    batch = jax.ShapeDtypeStruct((t.steps_per_call, t.batch_size, t.seq_len + 1), jnp.int32,
+                                 sharding=trainer.batch_sharding)
+    with jax.set_mesh(mesh):
+        lowered = trainer.train_call().lower(trainer.abstract_state(), batch)
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            # the TPU compiler refuses programs that cannot fit: report its numbers as "does not fit"
+            raise ConfigError(f"--aot {topology}: does not fit in HBM: {_first_line(e)}") from None
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    tokens = t.steps_per_call * t.batch_size * t.seq_len
+    return AotReport(
+        topology=topology, devices=len(devices),
+        argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
+        temp_bytes=mem.temp_size_in_bytes, alias_bytes=mem.alias_size_in_bytes, hbm_bytes=spec["hbm"],
+        flops_per_step=float(cost.get("flops", 0.0)),
+        model_flops_per_step=cfg.model.flops_per_token(t.seq_len) * tokens / t.steps_per_call / len(devices),
+        optimal_seconds=float(cost.get("optimal_seconds", -1.0)), steps_per_call=t.steps_per_call,
+    )
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()[0]
+    return text.split("RESOURCE_EXHAUSTED: ", 1)[-1]
+
+
+def run_aot(cfg: Config, topology: str) -> int:
+    report = compile_for_topology(cfg, topology)
+    print(report.text(chip_of(topology)[1]["peak"]))
+    if not report.fits:
+        raise ConfigError(
+            f"--aot {topology}: the train call needs {report.total_bytes / 2**30:.2f} GiB per device but a chip"
+            f" has {report.hbm_bytes / 2**30:.0f} GiB HBM; shard more (mesh.fsdp), shrink train.batch_size,"
+            " or set model.remat"
+        )
+    return 0
