@@ -97,6 +97,8 @@ def evaluate_run(cfg: EvalConfig) -> int:
     mesh = build_mesh(run_cfg)
     trainer = Trainer.build(run_cfg, mesh)
     corpus = resolve_corpus(run_cfg)
+    if cfg.prompt is not None:
+        prompt_ids(cfg, run_cfg.model.block_size)  # a prompt that cannot fit fails before any work
     results = {}
     with jax.set_mesh(mesh):
         for step in chosen:
@@ -179,15 +181,23 @@ def sample(model, cfg: EvalConfig) -> str:
     from gpt2.generate import generate
 
     enc = get_tokenizer()
-    prompt = enc.encode(cfg.prompt, allowed_special="all") or [enc.eot_token]
-    if len(prompt) + cfg.max_new_tokens > model.config.block_size:
-        raise ConfigError(
-            f"--prompt encodes to {len(prompt)} tokens; with --max_new_tokens={cfg.max_new_tokens} that exceeds"
-            f" the model's context of {model.config.block_size}"
-        )
+    prompt = prompt_ids(cfg, model.config.block_size)
     tokens = generate(model, np.asarray([prompt]), cfg.max_new_tokens, key=jax.random.PRNGKey(cfg.seed),
                       temperature=cfg.temperature, top_k=cfg.top_k)
     return enc.decode(np.asarray(tokens[0]).tolist())
+
+
+def prompt_ids(cfg: EvalConfig, block_size: int) -> list[int]:
+    from data.tokenizer import get_tokenizer
+
+    enc = get_tokenizer()
+    prompt = enc.encode(cfg.prompt, allowed_special="all") or [enc.eot_token]
+    if len(prompt) + cfg.max_new_tokens > block_size:
+        raise ConfigError(
+            f"--prompt encodes to {len(prompt)} tokens; with --max_new_tokens={cfg.max_new_tokens} that exceeds"
+            f" the model's context of {block_size}"
+        )
+    return prompt
 
 
 def save_results(path: Path, results: dict) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import signal
 import sys
@@ -26,19 +25,23 @@ from tqdm.auto import tqdm
 import configs
 from configs.base import Config
 from configs.cli import fail, parse
-from data.loader import to_global
+from data.loader import make_dataset, to_global
 from data.prepare import DataError
 from gpt2.config import ConfigError
 from gpt2.sharded import param_report
+from gpt2.sharding import batch_sharding
 from trainer.checkpoint import CheckpointError, Checkpoints, check_compatible
 from trainer.metrics import MetricsLogger, peak_flops_per_device
 from trainer.setup import build_mesh, initialize_distributed, resolve_corpus, train_loader_config, val_dataset
 from trainer.step import Trainer
-from data.loader import make_dataset
 
 
 class Diverged(RuntimeError):
     """The loss or gradient norm stopped being finite."""
+
+
+class SaveFailed(CheckpointError):
+    """Writing a checkpoint failed (disk full, I/O error)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_aot(cfg, topology)
         return train(cfg)
+    except SaveFailed as e:
+        # Orbax's writer threads are mid-failure; exiting through interpreter shutdown would bury this line
+        # under their tracebacks, and there is nothing left worth flushing.
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
     except (ConfigError, DataError, CheckpointError, Diverged) as e:
         fail(str(e))
 
@@ -74,7 +82,11 @@ def train(cfg: Config) -> int:
     corpus = resolve_corpus(cfg)
     run_dir = Path(cfg.run_dir)
     trainer = Trainer.build(cfg, mesh)
-    ckpt = Checkpoints(run_dir, cfg.checkpoint)  # the first thing that writes to the run directory
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt = Checkpoints(run_dir, cfg.checkpoint)  # the first thing that writes to the run directory
+    except OSError as e:
+        raise CheckpointError(f"cannot write the run directory {run_dir}: {e.strerror or e}") from None
     train_iter = iter(make_dataset(corpus.files("train"), cfg.model.vocab_size, train_loader_config(cfg)))
     main_process = jax.process_index() == 0
 
@@ -121,7 +133,6 @@ def loop(cfg: Config, trainer: Trainer, state, train_iter, corpus, ckpt, logger,
     peak = peak_flops_per_device(t.peak_flops) * jax.device_count()
     bar = tqdm(total=t.steps, initial=step, unit="step", disable=not (cfg.log.progress and logger.active),
                dynamic_ncols=True)
-    last_eval = None
     while step < stop:
         batches = to_global(next(train_iter), trainer.batch_sharding)  # [K, B, T+1]
         started = time.perf_counter()
@@ -141,18 +152,34 @@ def loop(cfg: Config, trainer: Trainer, state, train_iter, corpus, ckpt, logger,
         bar.set_postfix(loss=f"{metrics['loss'][-1]:.3f}", tok_s=f"{k * tokens_per_step / elapsed:,.0f}",
                         mfu=f"{k * flops_per_step / elapsed / peak:.1%}")
         if t.eval_every and step % t.eval_every < k or step == t.steps:
-            last_eval = evaluate(state["params"], step, logger, bar)
+            evaluate(state["params"], step, logger, bar)
         done = step >= stop or preemption.requested()
         if step % cfg.checkpoint.every < k or done:
-            ckpt.save(step, state, train_iter, meta, force=True)
+            save(ckpt, step, state, train_iter, meta)
         if done:
             break
     bar.close()
-    ckpt.wait()
+    save(ckpt, None, None, None, None)  # waits for the last asynchronous save
     if preemption.requested() and logger.active:
         print(f"stopped by {preemption.signal_name} at step {step}; checkpoint saved, restart to resume")
-    del last_eval
     return state
+
+
+def save(ckpt: Checkpoints, step, state, train_iter, meta) -> None:
+    """Saves (step=None: only waits for pending saves); a failed write becomes a one-line error.
+
+    Orbax writes into a temporary directory and renames it when complete, so a failure here never damages
+    the checkpoints already on disk.
+    """
+    try:
+        if step is not None:
+            ckpt.save(step, state, train_iter, meta, force=True)
+        else:
+            ckpt.wait()
+    except (OSError, ValueError, RuntimeError) as e:
+        where = ckpt.directory / str(step) if step is not None else ckpt.directory
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SaveFailed(f"could not save checkpoint {where}: {reason}") from None
 
 
 def make_evaluator(cfg: Config, trainer: Trainer, corpus):
@@ -161,8 +188,8 @@ def make_evaluator(cfg: Config, trainer: Trainer, corpus):
 
     def evaluate(params, step, logger, bar) -> float:
         it = iter(val)
-        losses = [eval_call(params, to_global(next(it)[0], _row_sharding(trainer)))
-                  for _ in range(cfg.train.eval_batches)]
+        rows = batch_sharding(trainer.mesh, trainer.rules, ndim=2)
+        losses = [eval_call(params, to_global(next(it)[0], rows)) for _ in range(cfg.train.eval_batches)]
         val_loss = float(np.mean(jax.device_get(losses)))
         logger.log({"step": step, "val_loss": val_loss})
         logger.plot()
@@ -171,12 +198,6 @@ def make_evaluator(cfg: Config, trainer: Trainer, corpus):
         return val_loss
 
     return evaluate
-
-
-def _row_sharding(trainer: Trainer):
-    from gpt2.sharding import batch_sharding
-
-    return batch_sharding(trainer.mesh, trainer.rules, ndim=2)
 
 
 def check_finite(metrics: dict, step: int, ckpt: Checkpoints) -> None:

@@ -12,7 +12,9 @@ import pytest
 from conftest import ROOT, SMALL, read_jsonl, run_cli
 from tools.launch import free_port
 
-COMMON = [*SMALL, "--train.steps=8", "--train.eval_every=4", "--checkpoint.every=4", "--mesh.fsdp=2"]
+# decay_steps fixed so that runs of any --train.steps share one learning-rate schedule
+COMMON = [*SMALL, "--train.steps=8", "--train.eval_every=4", "--checkpoint.every=4", "--mesh.fsdp=2",
+          "--optim.decay_steps=400"]
 
 
 def launch(run_dir, shakespeare, *extra, num_processes=2, devices=4, timeout=600):

@@ -230,3 +230,22 @@ def test_cli_refuses_a_checkpoint_of_another_model(k4_run, shakespeare):
                 "--model.n_layer=3", "--train.steps=16")
     assert r.returncode == 2
     assert "checkpoint does not fit this model: model.n_layer: checkpoint 2 vs config 3" in r.stderr
+
+
+def test_train_call_compiles_once_and_holds_no_materialized_mask():
+    """Regression guards that time nothing: no recompiles between calls; causal masking stays implicit."""
+    cfg = dataclasses.replace(NANO_RUN, train=dataclasses.replace(NANO_RUN.train, steps_per_call=2))
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    trainer = Trainer.build(cfg, mesh)
+    with jax.set_mesh(mesh):
+        call = trainer.train_call()
+        state = trainer.init_state()
+        for i in range(3):  # fresh batches, same shapes: one executable serves them all
+            batch = np.random.RandomState(i).randint(0, 96, (2, 8, 17)).astype(np.int32)
+            state, _ = call(state, jax.device_put(batch, trainer.batch_sharding))
+        assert call._cache_size() == 1
+        hlo = call.lower(trainer.abstract_state(), jax.ShapeDtypeStruct((2, 8, 17), jnp.int32,
+                                                                        sharding=trainer.batch_sharding)).as_text()
+    T = 16
+    constants = [line for line in hlo.splitlines() if "constant" in line and f"{T}x{T}x" in line.replace(",", "x")]
+    assert not constants, constants[:3]
