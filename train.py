@@ -28,7 +28,7 @@ from configs.cli import fail, parse
 from data.loader import make_dataset, to_global
 from data.prepare import DataError
 from gpt2.config import ConfigError
-from gpt2.sharded import param_report
+from gpt2.sharded import param_report, visualize_param
 from gpt2.sharding import batch_sharding
 from trainer.checkpoint import CheckpointError, Checkpoints, check_compatible
 from trainer.metrics import MetricsLogger, peak_flops_per_device
@@ -96,6 +96,8 @@ def train(cfg: Config) -> int:
         if main_process:
             write_config(run_dir, cfg)
             print(param_report(trainer.model(state["params"]), mesh))
+            if cfg.log.show_sharding:
+                visualize_param(trainer.model(state["params"]), cfg.log.show_sharding)
         logger = MetricsLogger(cfg, run_dir, wandb_id=wandb_id, start_step=start)
         meta = {"config": dataclasses.asdict(cfg), "wandb_id": logger.wandb_id}
         with Preemption() as preemption:

@@ -134,12 +134,15 @@ class LogConfig:
       project: wandb project.
       run_name: wandb run name (default: the run directory's name).
       progress: show a progress bar.
+      show_sharding: also draw this ≤2-D parameter's layout over the devices at start-up
+        (`jax.debug.visualize_array_sharding`), e.g. "wte.embedding".
     """
 
     wandb: Literal["auto", "online", "offline", "disabled"] = "auto"
     project: str = "gpt2-nnx"
     run_name: str | None = None
     progress: bool = True
+    show_sharding: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from gpt2.config import GPT2Config
+from gpt2.config import ConfigError, GPT2Config
 from gpt2.model import GPT2
 from gpt2.sharding import ShardingRules, logical_axes_of, named_shardings
 
@@ -49,7 +49,11 @@ def create_sharded_model(
         return model
 
     with jax.set_mesh(mesh):
-        return init()
+        model = init()
+    # jit may label an equivalent layout differently (P() for a size-1 axis); relabel with the table's
+    # specs (no data moves) so later jitted calls see exactly the shardings they were compiled for
+    nnx.update(model, jax.device_put(nnx.state(model), shardings))
+    return model
 
 
 def param_report(model: GPT2, mesh: Mesh | None = None) -> str:
@@ -78,8 +82,8 @@ def visualize_param(model: GPT2, path: str) -> None:
     """Prints `jax.debug.visualize_array_sharding` of one ≤2-D parameter, e.g. 'wte.embedding'."""
     flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     if path not in flat:
-        raise KeyError(f"no parameter {path!r}; parameters: {sorted(flat)}")
+        raise ConfigError(f"log.show_sharding: no parameter {path!r}; parameters: {sorted(flat)}")
     value = flat[path].get_value()
     if value.ndim > 2:
-        raise ValueError(f"{path} is {value.ndim}-D; visualize_array_sharding shows 1-D and 2-D arrays")
+        raise ConfigError(f"log.show_sharding: {path} is {value.ndim}-D; only 1-D and 2-D arrays can be drawn")
     jax.debug.visualize_array_sharding(value)

@@ -249,3 +249,16 @@ def test_train_call_compiles_once_and_holds_no_materialized_mask():
     T = 16
     constants = [line for line in hlo.splitlines() if "constant" in line and f"{T}x{T}x" in line.replace(",", "x")]
     assert not constants, constants[:3]
+
+
+def test_cli_eval_of_hugging_face_weights(tmp_path, shakespeare):
+    transformers = pytest.importorskip("transformers")
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=2)
+                                 ).save_pretrained(tmp_path / "hf")
+    out = tmp_path / "hf.json"
+    r = run_cli("eval.py", "--hf", str(tmp_path / "hf"), "--dataset", str(shakespeare), "--batches", "2",
+                "--seq_len", "32", "--out", str(out), "--prompt", "KING:", "--max_new_tokens", "4", devices=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())["hf"]
+    assert result["batches"] == 2 and abs(result["val_loss"] - np.log(50257)) < 0.5  # random init: ~uniform
+    assert "KING:" in r.stdout
