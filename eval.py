@@ -122,7 +122,6 @@ def evaluate_hf(cfg: EvalConfig) -> int:
     base = Config()
     probe = eval_run_config(base, cfg)
     initialize_distributed(probe)
-    model = None
     mesh = build_mesh(probe)
     with jax.set_mesh(mesh):
         model = from_hf(cfg.hf, mesh=mesh, rules=cfg.mesh.rules)

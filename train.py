@@ -10,6 +10,7 @@ Run the same command on every host of a TPU pod.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -161,25 +162,33 @@ def loop(cfg: Config, trainer: Trainer, state, train_iter, corpus, ckpt, logger,
         if done:
             break
     bar.close()
-    save(ckpt, None, None, None, None)  # waits for the last asynchronous save
+    wait_for_saves(ckpt)
     if preemption.requested() and logger.active:
         print(f"stopped by {preemption.signal_name} at step {step}; checkpoint saved, restart to resume")
     return state
 
 
-def save(ckpt: Checkpoints, step, state, train_iter, meta) -> None:
-    """Saves (step=None: only waits for pending saves); a failed write becomes a one-line error.
+def save(ckpt: Checkpoints, step: int, state, train_iter, meta) -> None:
+    """Saves (asynchronously if configured); a failed write becomes a one-line error.
 
     Orbax writes into a temporary directory and renames it when complete, so a failure here never damages
     the checkpoints already on disk.
     """
+    with _save_errors(ckpt.directory / str(step)):
+        ckpt.save(step, state, train_iter, meta, force=True)
+
+
+def wait_for_saves(ckpt: Checkpoints) -> None:
+    """Blocks until pending asynchronous saves are on disk (their errors surface here)."""
+    with _save_errors(ckpt.directory):
+        ckpt.wait()
+
+
+@contextlib.contextmanager
+def _save_errors(where: Path):
     try:
-        if step is not None:
-            ckpt.save(step, state, train_iter, meta, force=True)
-        else:
-            ckpt.wait()
+        yield
     except (OSError, ValueError, RuntimeError) as e:
-        where = ckpt.directory / str(step) if step is not None else ckpt.directory
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SaveFailed(f"could not save checkpoint {where}: {reason}") from None
 
@@ -207,7 +216,7 @@ def check_finite(metrics: dict, step: int, ckpt: Checkpoints) -> None:
     bad = ~(np.isfinite(metrics["loss"]) & np.isfinite(metrics["grad_norm"]))
     if bad.any():
         first = step + int(np.argmax(bad)) + 1
-        ckpt.wait()
+        wait_for_saves(ckpt)
         last = ckpt.latest_step()
         where = f"last good checkpoint: {ckpt.directory / str(last)}" if last is not None else "no checkpoint yet"
         raise Diverged(
