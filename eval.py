@@ -28,6 +28,7 @@ from data.prepare import DataError
 from gpt2.config import ConfigError
 from gpt2.sharding import batch_sharding
 from trainer.checkpoint import CheckpointError, Checkpoints, check_compatible, config_from_meta
+from trainer.host import keep_freed_memory
 from trainer.setup import build_mesh, initialize_distributed, resolve_corpus
 from trainer.step import Trainer
 
@@ -74,6 +75,7 @@ class EvalConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_freed_memory()  # before JAX starts its threads: see trainer/host.py
     try:
         cfg = parse(EvalConfig, argv, prog="eval.py", bool_flags=True)
         if (cfg.run_dir is None) == (cfg.hf is None):

@@ -32,6 +32,7 @@ from gpt2.config import ConfigError
 from gpt2.sharded import param_report, visualize_param
 from gpt2.sharding import batch_sharding
 from trainer.checkpoint import CheckpointError, Checkpoints, check_compatible
+from trainer.host import keep_freed_memory
 from trainer.metrics import MetricsLogger, peak_flops_per_device
 from trainer.setup import build_mesh, initialize_distributed, resolve_corpus, train_loader_config, val_dataset
 from trainer.step import Trainer
@@ -46,6 +47,7 @@ class SaveFailed(CheckpointError):
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_freed_memory()  # before JAX starts its threads: see trainer/host.py
     argv = sys.argv[1:] if argv is None else argv
     name, argv = pop_option(argv, "--config")
     topology, argv = pop_option(argv, "--aot")

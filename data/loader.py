@@ -127,7 +127,7 @@ class LoaderConfig:
     shuffle: bool = True
     num_epochs: int | None = None  # None: repeat forever
     num_workers: int = 0  # Grain worker processes (0: read in the main process)
-    prefetch: int = 2  # elements buffered ahead (threads in-process, or per worker)
+    prefetch: int = 2  # elements buffered ahead by a reader thread (0: read on demand), or per worker
 
 
 def make_dataset(
@@ -147,7 +147,9 @@ def make_dataset(
     ds = ds[shard_index::shard_count]
     ds = ds.batch(cfg.steps_per_call * cfg.batch_size, drop_remainder=True)
     ds = ds.map(lambda x: x.reshape(cfg.steps_per_call, cfg.batch_size, cfg.seq_len + 1))
-    read = grain.ReadOptions(num_threads=max(1, cfg.prefetch), prefetch_buffer_size=cfg.prefetch)
+    # One reader thread: reading a window is a memmap slice that holds the GIL, so a second thread only
+    # contends for it (measured 7.5 vs 4.7 M tokens/s at T 1024, B 8); worker processes are the way to scale.
+    read = grain.ReadOptions(num_threads=1 if cfg.prefetch else 0, prefetch_buffer_size=cfg.prefetch)
     it = ds.to_iter_dataset(read)
     if cfg.num_workers > 0:
         from absl import flags

@@ -262,3 +262,36 @@ def test_cli_eval_of_hugging_face_weights(tmp_path, shakespeare):
     result = json.loads(out.read_text())["hf"]
     assert result["batches"] == 2 and abs(result["val_loss"] - np.log(50257)) < 0.5  # random init: ~uniform
     assert "KING:" in r.stdout
+
+
+_HEAP_PROBE = """
+import ctypes, sys
+from trainer.host import keep_freed_memory
+if sys.argv[1] == "on":
+    assert keep_freed_memory()
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallinfo2.restype = MallInfo2
+block = libc.malloc(256 << 20)
+mmapped = libc.mallinfo2().hblkhd
+libc.free(block)
+print(mmapped >> 20, libc.mallinfo2().arena >> 20)
+"""
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_keep_freed_memory_serves_big_blocks_from_a_retained_heap(mode):
+    """A 256 MB block (an XLA temporary's size) comes from the heap and stays mapped after `free`."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _HEAP_PROBE, mode], capture_output=True, text=True, check=True)
+    mmapped_mb, heap_after_free_mb = map(int, out.stdout.split())
+    if mode == "on":
+        assert mmapped_mb < 256 <= heap_after_free_mb
+    else:  # glibc's default, which the tuning exists to change
+        assert mmapped_mb >= 256 > heap_after_free_mb
