@@ -178,6 +178,24 @@ def test_cli_exact_resume_is_bitwise(k4_run, shakespeare, tmp_path):
     assert step_losses(tmp_path) == step_losses(k4_run[0])  # bitwise: same floats, same order
 
 
+def test_cli_resume_with_another_k_keeps_the_data_position(k1_run, shakespeare, tmp_path):
+    """Steps 1-4 at K=1, then 5-12 at K=4: the same rows in the same order, so the same losses."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(k1_run[0], run_dir)
+    for step in ("8", "12"):
+        shutil.rmtree(run_dir / "checkpoints" / step)
+    r = run_cli("train.py", *train_args(run_dir, shakespeare, "--train.steps_per_call=4"), devices=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout
+    np.testing.assert_allclose(step_losses(run_dir), step_losses(k1_run[0]), rtol=0, atol=1e-5)
+    other = run_cli("train.py", *train_args(run_dir, shakespeare, "--train.seq_len=16", "--train.steps=16"),
+                    devices=1)
+    assert other.returncode != 0
+    assert "checkpoint was trained with train.seq_len=32, this run has 16" in other.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("source, devices", [("k4_run", 1), ("k1_run", 8)])
 def test_cli_eval_on_other_device_counts_matches(request, source, devices):
     run_dir, _ = request.getfixturevalue(source)

@@ -107,6 +107,36 @@ def check_compatible(saved: dict, config: Config, where: Path) -> None:
         raise CheckpointError(f"{where}: checkpoint does not fit this model: " + "; ".join(diffs))
 
 
+def realign_data(saved: dict, config: Config, iterator, where: Path) -> None:
+    """Carries the data position over when a resumed run groups its rows differently.
+
+    The iterator counts elements of K×B rows of one seeded global permutation of `seq_len` windows. A new
+    K (`train.steps_per_call`) or B (`train.batch_size`) keeps the rows already consumed: the position is
+    converted. A new window length or shuffle seed makes another permutation, so nothing carries over.
+    """
+    train, data = saved.get("config", {}).get("train", {}), saved.get("config", {}).get("data", {})
+    for key, old, new in (("train.seq_len", train.get("seq_len"), config.train.seq_len),
+                          ("data.seed", data.get("seed"), config.data.seed)):
+        if old != new:
+            raise CheckpointError(f"{where}: checkpoint was trained with {key}={old!r}, this run has {new!r},"
+                                  " which reads other data; keep the value or start a new --run_dir")
+    old_rows = train.get("steps_per_call", 1) * train.get("batch_size", 0)
+    new_rows = config.train.steps_per_call * config.train.batch_size
+    if old_rows == new_rows:
+        return
+    state = iterator.get_state()
+    if set(state) != {"next_index"}:
+        raise CheckpointError(f"{where}: cannot regroup the data position of a run with Grain workers; keep"
+                              f" train.steps_per_call × train.batch_size = {old_rows}")
+    consumed = state["next_index"] * old_rows
+    if consumed % new_rows:
+        raise CheckpointError(
+            f"{where}: the checkpoint consumed {consumed} rows, not a whole number of steps_per_call ×"
+            f" batch_size = {new_rows}; choose values whose product divides {consumed}"
+        )
+    iterator.set_state({"next_index": consumed // new_rows})
+
+
 def config_from_meta(meta: dict) -> Config:
     """Rebuilds the run's Config from a checkpoint's metadata."""
     from configs import from_dict
