@@ -1,7 +1,7 @@
 """Throughput of our train call against Hugging Face transformers + torch and the machine's matmul peak.
 
     python -m benchmarks.train_step                    # the CPU smoke shape, K = 1 and 16
-    python -m benchmarks.train_step --shape 124m --remat full --k 1 --repeats 3   # GPT-2 124M at T 1024
+    python -m benchmarks.train_step --shape 124m --remat full --attention-query-blocks 4 --k 1 --repeats 3
     python -m benchmarks.train_step --json out.json
     python -m benchmarks.train_step --no-keep-freed-memory   # glibc's malloc defaults (see trainer/host.py)
 
@@ -165,6 +165,8 @@ def main(argv=None) -> None:
     p.add_argument("--k", type=int, nargs="+", default=[1, 16], help="steps per call to measure")
     p.add_argument("--remat", default="none", choices=["none", "full", "dots", "dots_no_batch"],
                    help="our model's remat policy (on CPU, full remat is the fastest at 124M: less memory traffic)")
+    p.add_argument("--attention-query-blocks", type=int, default=1,
+                   help="model.attention_query_blocks: skip the masked upper triangle of causal attention")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--skip", nargs="*", default=[], choices=["torch", "compile", "loader", "checkpoint"])
@@ -173,12 +175,13 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     kept = keep_freed_memory() if args.keep_freed_memory else False
 
-    results = {"shape": args.shape, **SHAPES[args.shape], "remat": args.remat, "devices": str(jax.devices()[0].device_kind),
+    results = {"shape": args.shape, **SHAPES[args.shape], "remat": args.remat,
+               "attention_query_blocks": args.attention_query_blocks, "devices": str(jax.devices()[0].device_kind),
                "cpu_count": os.cpu_count(), "keep_freed_memory": kept}
     results["peak_flops_f32"] = matmul_peak(jnp.float32)
     results["peak_flops_bf16"] = matmul_peak(jnp.bfloat16)
     for k in args.k:
-        cfg = config_for(args.shape, k, remat=args.remat)
+        cfg = config_for(args.shape, k, remat=args.remat, attention_query_blocks=args.attention_query_blocks)
         r = ours(cfg, args.repeats)
         r["mfu_vs_f32_peak"] = r["tokens_per_s"] * cfg.model.flops_per_token(cfg.train.seq_len) / results[
             "peak_flops_f32"]

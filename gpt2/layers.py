@@ -74,6 +74,7 @@ class CausalSelfAttention(nnx.Module):
         )
         self.resid_dropout = nnx.Dropout(config.dropout)
         self.attention = None if config.attention == "auto" else config.attention
+        self.query_blocks = config.attention_query_blocks
 
     def __call__(
         self,
@@ -87,7 +88,7 @@ class CausalSelfAttention(nnx.Module):
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, T, H, K]
         if cache is None:
             # The causal flag, not a materialized [T, T] mask, lets XLA/cuDNN/TPU kernels skip the work.
-            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
+            y = self._causal_attention(q, k, v)
         else:
             k, v = _update_cache(cache, k, v, cache_index)  # each [B, S, H, K]
             cache = (k, v)
@@ -95,6 +96,20 @@ class CausalSelfAttention(nnx.Module):
         y = self.c_proj(y)  # [B, T, D]
         y = self.resid_dropout(y, deterministic=dropout_key is None, rngs=dropout_key)
         return y, cache
+
+    def _causal_attention(self, q, k, v) -> jax.Array:  # each [B, T, H, K] -> [B, T, H, K]
+        T, n = q.shape[1], self.query_blocks
+        if n == 1 or T % n:
+            # The causal flag, not a materialized [T, T] mask, lets XLA/cuDNN/TPU kernels skip the work.
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
+        size, outs = T // n, []
+        for i in range(n):  # query block i sees keys [0, (i + 1)·size): the blocks right of it are all masked
+            end = (i + 1) * size
+            q_pos = i * size + jnp.arange(size)[:, None]  # [size, 1]
+            mask = (jnp.arange(end)[None, :] <= q_pos)[None, None]  # [1, 1, size, end]
+            outs.append(jax.nn.dot_product_attention(q[:, end - size:end], k[:, :end], v[:, :end], mask=mask,
+                                                     implementation=self.attention))
+        return jnp.concatenate(outs, axis=1)
 
 
 def _update_cache(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array) -> KVCache:

@@ -129,6 +129,18 @@ def test_remat_changes_nothing_but_memory(scan, policy):
     assert max_diff(flat(ga), flat(gb)) < 1e-5
 
 
+@pytest.mark.parametrize("blocks", [2, 4])
+def test_blocked_causal_attention_equals_the_whole_triangle(blocks):
+    base = GPT2(NANO, rngs=nnx.Rngs(0))
+    blocked = GPT2(dataclasses.replace(NANO, attention_query_blocks=blocks), rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.RandomState(1).randint(0, NANO.vocab_size, (4, 13)), jnp.int32)  # T = 12
+    la, va, ga = loss_and_grads(base, tokens)
+    lb, vb, gb = loss_and_grads(blocked, tokens)
+    np.testing.assert_allclose(np.asarray(la), np.asarray(lb), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(va), np.asarray(vb), atol=1e-6)
+    assert max_diff(flat(ga), flat(gb)) < 1e-5
+
+
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2)]
 SHARDED = dataclasses.replace(NANO, n_head=4, pad_vocab_to=128)  # heads and vocab split over tensor=2
 
