@@ -31,7 +31,7 @@ from data.prepare import DataError
 from gpt2.config import ConfigError
 from gpt2.sharded import param_report, visualize_param
 from gpt2.sharding import batch_sharding
-from trainer.checkpoint import CheckpointError, Checkpoints, check_compatible, realign_data
+from trainer.checkpoint import CheckpointError, Checkpoints, check_compatible, check_same_data, realign_data
 from trainer.host import keep_freed_memory
 from trainer.metrics import MetricsLogger, peak_flops_per_device
 from trainer.setup import build_mesh, initialize_distributed, resolve_corpus, train_loader_config, val_dataset
@@ -121,6 +121,7 @@ def restore_or_init(cfg, trainer: Trainer, ckpt: Checkpoints, train_iter):
         return trainer.init_state(), None
     saved = ckpt.read_meta(step)
     check_compatible(saved, cfg, ckpt.directory)
+    check_same_data(saved, cfg, ckpt.directory)
     state = ckpt.restore(step, trainer.abstract_state(), train_iter)
     realign_data(saved, cfg, train_iter, ckpt.directory)
     if jax.process_index() == 0:

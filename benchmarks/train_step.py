@@ -26,6 +26,7 @@ import numpy as np
 
 from configs.base import CheckpointConfig, Config, OptimConfig, TrainConfig
 from gpt2 import GPT2Config, make_mesh
+from gpt2.config import RematPolicy
 from trainer.host import keep_freed_memory
 from trainer.step import Trainer
 
@@ -163,7 +164,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="smoke")
     p.add_argument("--k", type=int, nargs="+", default=[1, 16], help="steps per call to measure")
-    p.add_argument("--remat", default="none", choices=["none", "full", "dots", "dots_no_batch"],
+    p.add_argument("--remat", default="none", choices=RematPolicy.__args__,
                    help="our model's remat policy (on CPU, full remat is the fastest at 124M: less memory traffic)")
     p.add_argument("--attention-query-blocks", type=int, default=1,
                    help="model.attention_query_blocks: skip the masked upper triangle of causal attention")

@@ -87,12 +87,11 @@ class CausalSelfAttention(nnx.Module):
         qkv = self.c_attn(x)  # [B, T, 3, H, K]
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, T, H, K]
         if cache is None:
-            # The causal flag, not a materialized [T, T] mask, lets XLA/cuDNN/TPU kernels skip the work.
             y = self._causal_attention(q, k, v)
         else:
             k, v = _update_cache(cache, k, v, cache_index)  # each [B, S, H, K]
             cache = (k, v)
-            y = jax.nn.dot_product_attention(q, k, v, mask=_decode_mask(q, k, cache_index))
+            y = jax.nn.dot_product_attention(q, k, v, mask=_causal_mask(q, k, cache_index))
         y = self.c_proj(y)  # [B, T, D]
         y = self.resid_dropout(y, deterministic=dropout_key is None, rngs=dropout_key)
         return y, cache
@@ -104,11 +103,10 @@ class CausalSelfAttention(nnx.Module):
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
         size, outs = T // n, []
         for i in range(n):  # query block i sees keys [0, (i + 1)·size): the blocks right of it are all masked
-            end = (i + 1) * size
-            q_pos = i * size + jnp.arange(size)[:, None]  # [size, 1]
-            mask = (jnp.arange(end)[None, :] <= q_pos)[None, None]  # [1, 1, size, end]
-            outs.append(jax.nn.dot_product_attention(q[:, end - size:end], k[:, :end], v[:, :end], mask=mask,
-                                                     implementation=self.attention))
+            start, end = i * size, (i + 1) * size
+            q_block, k_prefix = q[:, start:end], k[:, :end]
+            outs.append(jax.nn.dot_product_attention(q_block, k_prefix, v[:, :end], implementation=self.attention,
+                                                     mask=_causal_mask(q_block, k_prefix, start)))
         return jnp.concatenate(outs, axis=1)
 
 
@@ -120,8 +118,8 @@ def _update_cache(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array) 
     return k_cache, v_cache
 
 
-def _decode_mask(q: jax.Array, k: jax.Array, index: jax.Array) -> jax.Array:
-    """[1, 1, T, S] mask: query t (at position index + t) sees cache slots s <= index + t."""
+def _causal_mask(q: jax.Array, k: jax.Array, index) -> jax.Array:
+    """[1, 1, T, S] mask: query t (at position index + t) sees key positions s <= index + t."""
     q_pos = index + jnp.arange(q.shape[1])[:, None]  # [T, 1]
     k_pos = jnp.arange(k.shape[1])[None, :]  # [1, S]
     return (k_pos <= q_pos)[None, None]

@@ -107,19 +107,24 @@ def check_compatible(saved: dict, config: Config, where: Path) -> None:
         raise CheckpointError(f"{where}: checkpoint does not fit this model: " + "; ".join(diffs))
 
 
-def realign_data(saved: dict, config: Config, iterator, where: Path) -> None:
-    """Carries the data position over when a resumed run groups its rows differently.
-
-    The iterator counts elements of K×B rows of one seeded global permutation of `seq_len` windows. A new
-    K (`train.steps_per_call`) or B (`train.batch_size`) keeps the rows already consumed: the position is
-    converted. A new window length or shuffle seed makes another permutation, so nothing carries over.
-    """
+def check_same_data(saved: dict, config: Config, where: Path) -> None:
+    """Refuses to resume on another permutation: a new window length or shuffle seed reads other data."""
     train, data = saved.get("config", {}).get("train", {}), saved.get("config", {}).get("data", {})
     for key, old, new in (("train.seq_len", train.get("seq_len"), config.train.seq_len),
                           ("data.seed", data.get("seed"), config.data.seed)):
         if old != new:
             raise CheckpointError(f"{where}: checkpoint was trained with {key}={old!r}, this run has {new!r},"
                                   " which reads other data; keep the value or start a new --run_dir")
+
+
+def realign_data(saved: dict, config: Config, iterator, where: Path) -> None:
+    """Carries the restored data position over when a resumed run groups its rows differently.
+
+    The iterator counts elements of K×B rows of one seeded global permutation of windows. A new K
+    (`train.steps_per_call`) or B (`train.batch_size`) keeps the rows already consumed: the position is
+    converted (`check_same_data` has made sure the permutation is the same).
+    """
+    train = saved.get("config", {}).get("train", {})
     old_rows = train.get("steps_per_call", 1) * train.get("batch_size", 0)
     new_rows = config.train.steps_per_call * config.train.batch_size
     if old_rows == new_rows:
