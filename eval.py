@@ -19,15 +19,14 @@ import sys
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from configs.base import Config, MeshConfig
 from configs.cli import fail, parse
-from data.loader import LoaderConfig, make_dataset, to_global
+from data.loader import LoaderConfig, make_dataset
 from data.prepare import DataError
 from gpt2.config import ConfigError
-from gpt2.sharding import batch_sharding
 from trainer.checkpoint import CheckpointError, Checkpoints, check_compatible, config_from_meta
+from trainer.evaluation import encode_prompt, mean_loss, sample
 from trainer.host import keep_freed_memory
 from trainer.setup import build_mesh, initialize_distributed, resolve_corpus
 from trainer.step import Trainer
@@ -105,11 +104,11 @@ def evaluate_run(cfg: EvalConfig) -> int:
     with jax.set_mesh(mesh):
         for step in chosen:
             check_compatible(ckpt.read_meta(step), run_cfg, ckpt.directory)
-            params = ckpt.restore(step, trainer.abstract_state())["params"]
+            params = ckpt.restore_params(step, trainer.abstract_params)
             results[step] = validation(run_cfg, trainer, params, corpus, cfg.batches)
             report(step, results[step])
             if cfg.prompt is not None:
-                print(sample(trainer.model(params), cfg))
+                print(sample_text(trainer.model(params), cfg))
     ckpt.close()
     out = Path(cfg.out) if cfg.out else Path(cfg.run_dir) / "eval.json"
     save_results(out, results)
@@ -137,7 +136,7 @@ def evaluate_hf(cfg: EvalConfig) -> int:
         result = validation(run_cfg, trainer, nnx.state(model, nnx.Param), corpus, cfg.batches)
         report(None, result)
         if cfg.prompt is not None:
-            print(sample(model, cfg))
+            print(sample_text(model, cfg))
     save_results(Path(cfg.out or "eval_hf.json"), {"hf": result})
     return 0
 
@@ -156,18 +155,11 @@ def validation(cfg: Config, trainer: Trainer, params, corpus, batches: int | Non
     loader = LoaderConfig(seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size // jax.process_count(),
                           shuffle=False, num_epochs=1)
     dataset = make_dataset(corpus.files("val"), cfg.model.vocab_size, loader)
-    sharding = batch_sharding(trainer.mesh, trainer.rules, ndim=2)
-    eval_call = trainer.eval_call()
-    losses = []
-    for i, local in enumerate(dataset):
-        if batches is not None and i >= batches:
-            break
-        losses.append(eval_call(params, to_global(local[0], sharding)))
-    if not losses:
+    loss, n = mean_loss(trainer, trainer.eval_call(), params, dataset, batches)
+    if n == 0:
         raise DataError(f"{corpus.directory}: validation split is smaller than one batch")
-    loss = float(np.mean(jax.device_get(losses)))
-    return {"val_loss": loss, "perplexity": math.exp(loss), "batches": len(losses),
-            "tokens": len(losses) * cfg.train.batch_size * cfg.train.seq_len}
+    return {"val_loss": loss, "perplexity": math.exp(loss), "batches": n,
+            "tokens": n * cfg.train.batch_size * cfg.train.seq_len}
 
 
 def report(step, r: dict) -> None:
@@ -177,22 +169,13 @@ def report(step, r: dict) -> None:
               f"  ({r['batches']} batches, {r['tokens']:,} tokens)")
 
 
-def sample(model, cfg: EvalConfig) -> str:
-    from data.tokenizer import get_tokenizer
-    from gpt2.generate import generate
-
-    enc = get_tokenizer()
-    prompt = prompt_ids(cfg, model.config.block_size)
-    tokens = generate(model, np.asarray([prompt]), cfg.max_new_tokens, key=jax.random.PRNGKey(cfg.seed),
-                      temperature=cfg.temperature, top_k=cfg.top_k)
-    return enc.decode(np.asarray(tokens[0]).tolist())
+def sample_text(model, cfg: EvalConfig) -> str:
+    return sample(model, prompt_ids(cfg, model.config.block_size), cfg.max_new_tokens, seed=cfg.seed,
+                  temperature=cfg.temperature, top_k=cfg.top_k)
 
 
 def prompt_ids(cfg: EvalConfig, block_size: int) -> list[int]:
-    from data.tokenizer import get_tokenizer
-
-    enc = get_tokenizer()
-    prompt = enc.encode(cfg.prompt, allowed_special="all") or [enc.eot_token]
+    prompt = encode_prompt(cfg.prompt)
     if len(prompt) + cfg.max_new_tokens > block_size:
         raise ConfigError(
             f"--prompt encodes to {len(prompt)} tokens; with --max_new_tokens={cfg.max_new_tokens} that exceeds"

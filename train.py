@@ -30,8 +30,8 @@ from data.loader import make_dataset, to_global
 from data.prepare import DataError
 from gpt2.config import ConfigError
 from gpt2.sharded import param_report, visualize_param
-from gpt2.sharding import batch_sharding
 from trainer.checkpoint import CheckpointError, Checkpoints, check_compatible, check_same_data, realign_data
+from trainer.evaluation import encode_prompt, mean_loss, sample
 from trainer.host import keep_freed_memory
 from trainer.metrics import MetricsLogger, peak_flops_per_device
 from trainer.setup import build_mesh, initialize_distributed, resolve_corpus, train_loader_config, val_dataset
@@ -202,10 +202,7 @@ def make_evaluator(cfg: Config, trainer: Trainer, corpus):
     val = val_dataset(cfg, corpus, cfg.train.batch_size)
 
     def evaluate(params, step, logger, bar) -> float:
-        it = iter(val)
-        rows = batch_sharding(trainer.mesh, trainer.rules, ndim=2)
-        losses = [eval_call(params, to_global(next(it)[0], rows)) for _ in range(cfg.train.eval_batches)]
-        val_loss = float(np.mean(jax.device_get(losses)))
+        val_loss, _ = mean_loss(trainer, eval_call, params, val, cfg.train.eval_batches)
         logger.log({"step": step, "val_loss": val_loss})
         logger.plot()
         if logger.active:
@@ -230,15 +227,9 @@ def check_finite(metrics: dict, step: int, ckpt: Checkpoints) -> None:
 
 
 def sample_text(cfg: Config, trainer: Trainer, state) -> str:
-    from data.tokenizer import get_tokenizer
-    from gpt2.generate import generate
-
-    enc = get_tokenizer()
-    prompt = enc.encode(cfg.train.sample_prompt, allowed_special="all") or [enc.eot_token]
+    prompt = encode_prompt(cfg.train.sample_prompt)
     n = min(cfg.train.sample_tokens, cfg.model.block_size - len(prompt))
-    tokens = generate(trainer.model(state["params"]), np.asarray([prompt]), n,
-                      key=jax.random.PRNGKey(cfg.train.seed), temperature=0.8, top_k=200)
-    text = enc.decode(np.asarray(tokens[0]).tolist())
+    text = sample(trainer.model(state["params"]), prompt, n, seed=cfg.train.seed, temperature=0.8, top_k=200)
     return f"--- sample ---\n{text}\n--------------"
 
 

@@ -76,7 +76,12 @@ class GPT2(nnx.Module):
     def _embed(self, idx, start, dropout_key) -> jax.Array:  # [B, T, D]
         # positions start..start+T-1 are a contiguous slice of wpe: no gather needed
         pos = jax.lax.dynamic_slice_in_dim(self.wpe.embedding[...], start, idx.shape[1])  # [T, D]
-        x = self.wte(idx) + pos.astype(self.config.compute_dtype)[None]
+        # All-gather the table's embed axis (FSDP) before the lookup, as for every other weight: a lookup
+        # sharded on embed can reach batch-sharded activations only by replicating them whole (GSPMD's
+        # "involuntary full rematerialization", e.g. on gpt2_xl_pod's data × fsdp mesh).
+        cdt = self.config.compute_dtype
+        table = self._constrain(self.wte.embedding[...].astype(cdt), ("vocab", None))  # [V, D]
+        x = jnp.take(table, idx, axis=0) + pos.astype(cdt)[None]
         x = self.drop(x, deterministic=dropout_key is None, rngs=dropout_key)
         return self._constrain(x)
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs.base import Config, OptimConfig, TrainConfig
+from configs.base import CheckpointConfig, Config, OptimConfig, TrainConfig
 from conftest import SMALL, read_jsonl, run_cli
 from gpt2 import GPT2Config, make_mesh
+from trainer.checkpoint import CheckpointError, Checkpoints, realign_data
 from trainer.optim import decay_mask, lr_schedule
 from trainer.step import Trainer
 
@@ -78,6 +79,28 @@ def test_schedule_warms_up_then_decays_to_the_floor():
 def train_args(run_dir, shakespeare, *extra):
     return ["--run_dir", str(run_dir), f"--data.cache_dir={shakespeare}", *SMALL, "--train.steps=12",
             "--checkpoint.every=4", "--checkpoint.keep=5", "--train.eval_every=4", *extra]
+
+
+def test_parameters_restore_alone_onto_another_mesh(tmp_path):
+    """eval.py reads only the parameters of a train state (not the optimizer moments), onto any mesh."""
+    trainer = Trainer.build(NANO_RUN, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    state, _ = run_calls(NANO_RUN, trainer.mesh, [BATCHES[:2]])  # non-trivial params and Adam moments
+    ckpt = Checkpoints(tmp_path, CheckpointConfig(async_save=False))
+    ckpt.save(2, state, None, {"step": 2})
+    ckpt.close()
+    fsdp_tp = dataclasses.replace(NANO_RUN, mesh=dataclasses.replace(NANO_RUN.mesh, rules="fsdp_tp"))
+    other = Trainer.build(fsdp_tp, make_mesh(2, 2, 2, devices=jax.devices()))
+    params = Checkpoints(tmp_path, CheckpointConfig(), read_only=True).restore_params(2, other.abstract_params)
+    assert jax.tree.structure(params) == jax.tree.structure(state["params"])
+    assert param_diff(jax.device_get(params), jax.device_get(state["params"])) == 0
+    shardings = jax.tree.leaves(other.state_shardings["params"])
+    assert [a.sharding for a in jax.tree.leaves(params)] == shardings
+    assert any(s.spec != jax.sharding.PartitionSpec() for s in shardings)  # really laid out on the new mesh
+
+
+def test_resume_refuses_metadata_without_the_batch_grouping(tmp_path):
+    with pytest.raises(CheckpointError, match="lacks train.steps_per_call / train.batch_size"):
+        realign_data({"config": {"train": {"batch_size": 8}}}, NANO_RUN, None, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -267,6 +290,21 @@ def test_train_call_compiles_once_and_holds_no_materialized_mask():
     T = 16
     constants = [line for line in hlo.splitlines() if "constant" in line and f"{T}x{T}x" in line.replace(",", "x")]
     assert not constants, constants[:3]
+
+
+@pytest.mark.parametrize("rules, mesh_shape", [("fsdp", (2, 4, 1)), ("fsdp_tp", (2, 2, 2))])
+def test_sharded_train_call_never_replicates_activations(capfd, rules, mesh_shape):
+    """The SPMD partitioner logs "Involuntary full rematerialization" when it can only reshard a tensor by
+    replicating it whole (it did for the embedding lookup: embed-sharded rows vs batch-sharded activations)."""
+    cfg = dataclasses.replace(NANO_RUN, mesh=dataclasses.replace(NANO_RUN.mesh, rules=rules))
+    mesh = make_mesh(*mesh_shape, devices=jax.devices())
+    trainer = Trainer.build(cfg, mesh)
+    batch = jax.ShapeDtypeStruct((1, 8, 17), jnp.int32, sharding=trainer.batch_sharding)
+    capfd.readouterr()
+    with jax.set_mesh(mesh):
+        trainer.train_call().lower(trainer.abstract_state(), batch).compile()
+    log = capfd.readouterr().err
+    assert "Involuntary full rematerialization" not in log, log[:2000]
 
 
 def test_cli_eval_of_hugging_face_weights(tmp_path, shakespeare):

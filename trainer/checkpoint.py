@@ -72,6 +72,15 @@ class Checkpoints:
             _restore_other_process_count(data_dir, iterator)
         return state
 
+    def restore_params(self, step: int, abstract_params: Any) -> Any:
+        """Only the parameters of a saved train state: evaluation reads neither the optimizer moments
+        (twice the parameters' size) nor the data position."""
+        target = {"params": abstract_params}
+        args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                      partial_restore=True)
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            return checkpointer.restore(self.directory / str(step) / STATE, args=args)["params"]
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
@@ -125,7 +134,10 @@ def realign_data(saved: dict, config: Config, iterator, where: Path) -> None:
     converted (`check_same_data` has made sure the permutation is the same).
     """
     train = saved.get("config", {}).get("train", {})
-    old_rows = train.get("steps_per_call", 1) * train.get("batch_size", 0)
+    if not isinstance(train.get("steps_per_call"), int) or not isinstance(train.get("batch_size"), int):
+        raise CheckpointError(f"{where}: checkpoint metadata lacks train.steps_per_call / train.batch_size, so its"
+                              " data position cannot be read; start a new --run_dir")
+    old_rows = train["steps_per_call"] * train["batch_size"]
     new_rows = config.train.steps_per_call * config.train.batch_size
     if old_rows == new_rows:
         return

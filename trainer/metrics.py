@@ -32,7 +32,7 @@ def peak_flops_per_device(override: float | None) -> float:
     return measure_matmul_peak() / jax.local_device_count()
 
 
-def measure_matmul_peak(n: int = 1024, dtype=np.float32, repeats: int = 5) -> float:
+def measure_matmul_peak(n: int = 2048, dtype=np.float32, repeats: int = 5) -> float:
     """Best-of-`repeats` FLOP/s of an n×n matmul on the default backend (all its threads)."""
     import jax.numpy as jnp
 

@@ -35,6 +35,7 @@ class Trainer:
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     state_shardings: TrainState  # NamedSharding per leaf
+    abstract_params: nnx.State  # ShapeDtypeStructs with their shardings
     batch_sharding: NamedSharding  # of a [K, B, T + 1] stack of batches
 
     @classmethod
@@ -50,15 +51,16 @@ class Trainer:
         )
         shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated,
                      "rng": replicated}
+        abstract_params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                       params, param_shardings)
         return cls(config, mesh, rules, graphdef, tx, lr_schedule(config.optim, config.train.steps),
-                   shardings, batch_sharding(mesh, rules, ndim=3))
+                   shardings, abstract_params, batch_sharding(mesh, rules, ndim=3))
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs with shardings: the restore target, and the AOT compiler's input."""
-        _, params = nnx.split(abstract_model(self.config.model, self.rules), nnx.Param)
         state = {
-            "params": params,
-            "opt_state": jax.eval_shape(self.tx.init, params),
+            "params": self.abstract_params,
+            "opt_state": jax.eval_shape(self.tx.init, self.abstract_params),
             "step": jax.ShapeDtypeStruct((), jnp.int32),
             "rng": jax.eval_shape(lambda: jax.random.PRNGKey(0)),
         }
