@@ -22,13 +22,12 @@ import jax
 
 from configs.base import Config, MeshConfig
 from configs.cli import fail, parse
-from data.loader import LoaderConfig, make_dataset
 from data.prepare import DataError
 from gpt2.config import ConfigError
 from trainer.checkpoint import CheckpointError, Checkpoints, check_compatible, config_from_meta
 from trainer.evaluation import encode_prompt, mean_loss, sample
 from trainer.host import keep_freed_memory
-from trainer.setup import build_mesh, initialize_distributed, resolve_corpus
+from trainer.setup import build_mesh, initialize_distributed, resolve_corpus, val_dataset
 from trainer.step import Trainer
 
 
@@ -152,9 +151,7 @@ def eval_run_config(run: Config, cfg: EvalConfig) -> Config:
 
 def validation(cfg: Config, trainer: Trainer, params, corpus, batches: int | None) -> dict:
     """Mean next-token loss over `batches` validation batches (default: all complete ones)."""
-    loader = LoaderConfig(seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size // jax.process_count(),
-                          shuffle=False, num_epochs=1)
-    dataset = make_dataset(corpus.files("val"), cfg.model.vocab_size, loader)
+    dataset = val_dataset(cfg, corpus, cfg.train.batch_size, num_epochs=1)
     loss, n = mean_loss(trainer, trainer.eval_call(), params, dataset, batches)
     if n == 0:
         raise DataError(f"{corpus.directory}: validation split is smaller than one batch")

@@ -121,7 +121,8 @@ class GPT2(nnx.Module):
         return self._constrain(logits, ("batch", "seq", "act_vocab"))
 
     def _constrain(self, x, logical=("batch", "seq", "act_embed")):
-        """Pins an activation's layout at a block seam (a no-op without rules or outside a mesh)."""
+        """Pins a layout by logical axes: activations at block seams, the embedding table before its lookup
+        (a no-op without rules or outside a mesh)."""
         if self.rules is None or jax.sharding.get_abstract_mesh().empty:
             return x
         return jax.lax.with_sharding_constraint(x, self.rules.spec(logical))

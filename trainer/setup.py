@@ -87,11 +87,12 @@ def train_loader_config(cfg: Config) -> LoaderConfig:
     )
 
 
-def val_dataset(cfg: Config, corpus: Corpus, batch_size: int):
-    """Validation batches [1, B_local, T+1] in file order: every evaluation sees the same ones."""
+def val_dataset(cfg: Config, corpus: Corpus, batch_size: int, num_epochs: int | None = None):
+    """Validation batches [1, B_local, T+1] in file order: every evaluation sees the same ones.
+    num_epochs=None repeats the split (training's fixed-size evaluations); 1 ends after it (eval.py)."""
     loader = LoaderConfig(
         seq_len=cfg.train.seq_len, batch_size=batch_size // jax.process_count(), shuffle=False,
-        num_epochs=None, prefetch=cfg.data.prefetch,
+        num_epochs=num_epochs, prefetch=cfg.data.prefetch,
     )
     return make_dataset(corpus.files("val"), cfg.model.vocab_size, loader)
 
