@@ -1,5 +1,6 @@
 # make train : create .venv if missing, install, train the default config (shakespeare_cpu)
 # make test  : create .venv if missing, install with dev extras, run the test suite
+# make test-fast : the in-process tiers only (unit, equivalence, CLI checks before any work): the edit loop
 # Extra arguments: make train ARGS="--train.steps=100"   make test PYTEST_ARGS="-k data"
 
 VENV   := .venv
@@ -7,7 +8,7 @@ PY     := $(VENV)/bin/python
 BASE   := $(VENV)/.installed-base
 DEV    := $(VENV)/.installed-dev
 
-.PHONY: train test bench clean
+.PHONY: train test test-fast bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -28,6 +29,9 @@ train: $(BASE)
 test: $(DEV)
 	@JAX_PLATFORMS=cpu $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)"; fi; exit $$rc
+
+test-fast: $(DEV)
+	@JAX_PLATFORMS=cpu $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: $(DEV)
 	$(PY) -m benchmarks.train_step $(ARGS)

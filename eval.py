@@ -3,32 +3,32 @@
     python eval.py --run_dir runs/shakespeare_cpu                 # latest checkpoint, whole val split
     python eval.py --run_dir runs/shakespeare_cpu --all           # every checkpoint in the run
     python eval.py --run_dir runs/shakespeare_cpu --step 400 --batches 20 --prompt "ROMEO:"
-    python eval.py --hf /path/to/hf-gpt2 --dataset /data/owt      # imported HF weights
+    python eval.py --hf /path/to/hf-gpt2 --dataset /data/owt --out results.json   # HF weights
 
-Checkpoints restore onto whatever devices this machine has (any device count or mesh). Results go to
-<run_dir>/eval.json and, when the run used wandb, to the same wandb run as `eval/*` metrics.
+Checkpoints restore onto whatever devices this machine has (any device count or mesh); one jitted loss call
+serves every checkpoint. Results are merged into <run_dir>/eval.json (keyed by step, dataset, seq_len,
+batch size and number of batches) and, when the run used wandb, logged to the same wandb run as `eval/*`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import sys
-from pathlib import Path
 
 import jax
 
-from configs.base import Config, MeshConfig
+from configs.base import CheckpointConfig, Config, DataConfig, DistributedConfig, MeshConfig
 from configs.cli import fail, parse
-from data.prepare import DataError
-from gpt2.config import ConfigError
-from trainer.checkpoint import CheckpointError, Checkpoints, check_compatible, config_from_meta
-from trainer.evaluation import encode_prompt, mean_loss, sample
-from trainer.host import keep_freed_memory
-from trainer.setup import build_mesh, initialize_distributed, resolve_corpus, val_dataset
-from trainer.step import Trainer
+from configs.errors import ONE_LINE, CheckpointError, ConfigError
+from gpt2.hf import HFCheckpointError
+from gpt2.sharding import ShardingRules
+from trainer.checkpoint import CheckpointGone, Checkpoints, check_compatible
+from trainer.evaluation import Evaluator, encode_prompt, sample
+from trainer.malloc import keep_freed_memory
+from trainer.metrics import init_wandb, resolve_wandb_mode
+from trainer.run_dir import RunDir, merge_eval_results, warn
+from trainer.setup import checked_mesh, initialize_distributed, library_logs_to, resolve_corpus, val_dataset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,20 +37,21 @@ class EvalConfig:
 
     Attributes:
       run_dir: a training run directory (with checkpoints/).
-      hf: instead of a run: a Hugging Face GPT-2 directory (config.json + safetensors) or hub name.
+      hf: instead of a run: a Hugging Face GPT-2 directory (config.json + safetensors), or `hub:NAME` for a
+        hub model (where the network allows).
       step: the checkpoint to evaluate (default: the latest).
       all: evaluate every checkpoint in the run.
-      batches: validation batches to average (default: the whole validation split).
-      batch_size: sequences per batch (global).
-      seq_len: tokens per sequence (default: the run's train.seq_len; HF: 1024).
-      dataset: corpus to evaluate on (default: the run's).
+      batches: validation batches to average (>= 1; default: the whole validation split).
+      batch_size: sequences per batch (global, >= 1).
+      seq_len: tokens per sequence (>= 1; default: the run's train.seq_len; HF: 1024 or the model's context).
+      dataset: corpus to evaluate on (default: the run's; required with --hf).
       prompt: sample a continuation of this text after evaluating.
-      max_new_tokens: tokens to sample.
-      temperature: sampling temperature (0: greedy).
-      top_k: sample among the k most likely tokens only.
-      seed: sampling seed.
-      out: results JSON (default: <run_dir>/eval.json).
-      wandb: also log to the training run's wandb run.
+      max_new_tokens: tokens to sample (>= 1; prompt + these must fit the model's context).
+      temperature: sampling temperature (finite, >= 0; 0: greedy).
+      top_k: sample among the k most likely tokens only (>= 1).
+      seed: sampling seed (>= 0).
+      out: results JSON (default: <run_dir>/eval.json; required with --hf).
+      wandb: also log to the training run's wandb run, in the mode the run used.
       mesh: the device mesh to evaluate on (independent of the one training used).
     """
 
@@ -73,102 +74,154 @@ class EvalConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    keep_freed_memory()  # before JAX starts its threads: see trainer/host.py
+    keep_freed_memory()  # before JAX starts its threads: see trainer/malloc.py
     try:
         cfg = parse(EvalConfig, argv, prog="eval.py", bool_flags=True)
-        if (cfg.run_dir is None) == (cfg.hf is None):
-            raise ConfigError("give exactly one of --run_dir (a training run) or --hf (Hugging Face weights)")
-        return evaluate_hf(cfg) if cfg.hf else evaluate_run(cfg)
-    except (ConfigError, DataError, CheckpointError, FileNotFoundError, ValueError) as e:
+        check_args(cfg)
+        if cfg.hf:
+            return evaluate_hf(cfg)
+        with library_logs_to(RunDir(cfg.run_dir) / "logs"):  # Orbax's notes on read-only restores, ...
+            return evaluate_run(cfg)
+    except (*ONE_LINE, HFCheckpointError) as e:
         fail(str(e))
 
 
+def check_args(cfg: EvalConfig) -> None:
+    """Every argument, before any work (flag names as the user typed them)."""
+    if (cfg.run_dir is None) == (cfg.hf is None):
+        raise ConfigError("give exactly one of --run_dir (a training run) or --hf (Hugging Face weights)")
+    if cfg.hf and (cfg.dataset is None or cfg.out is None):
+        raise ConfigError("--hf needs --dataset (a prepared corpus) and --out (where its results go)")
+    if cfg.all and cfg.step is not None:
+        raise ConfigError("give --step or --all, not both")
+    for flag, value, low in (("--batches", cfg.batches, 1), ("--batch_size", cfg.batch_size, 1),
+                             ("--seq_len", cfg.seq_len, 1), ("--max_new_tokens", cfg.max_new_tokens, 1),
+                             ("--top_k", cfg.top_k, 1), ("--seed", cfg.seed, 0), ("--step", cfg.step, 0)):
+        if value is not None and value < low:
+            raise ConfigError(f"{flag} must be >= {low}, got {value}")
+    if not (math.isfinite(cfg.temperature) and cfg.temperature >= 0):
+        raise ConfigError(f"--temperature must be a finite number >= 0, got {cfg.temperature}")
+    ShardingRules.preset(cfg.mesh.rules)
+
+
 def evaluate_run(cfg: EvalConfig) -> int:
-    ckpt = Checkpoints(cfg.run_dir, Config().checkpoint, read_only=True)
+    ckpt = Checkpoints(cfg.run_dir, CheckpointConfig(), read_only=True)
     steps = ckpt.all_steps() if ckpt.directory.exists() else []
     if not steps:
         raise CheckpointError(f"{ckpt.directory}: no checkpoints to evaluate")
     if cfg.step is not None and cfg.step not in steps:
         raise CheckpointError(f"{ckpt.directory}: no checkpoint at step {cfg.step}; steps: {steps}")
     chosen = steps if cfg.all else [cfg.step if cfg.step is not None else steps[-1]]
-    meta = ckpt.read_meta(chosen[-1])
-    run_cfg = eval_run_config(config_from_meta(meta), cfg)
-    initialize_distributed(run_cfg)
-    mesh = build_mesh(run_cfg)
-    trainer = Trainer.build(run_cfg, mesh)
-    corpus = resolve_corpus(run_cfg)
-    if cfg.prompt is not None:
-        prompt_ids(cfg, run_cfg.model.block_size)  # a prompt that cannot fit fails before any work
-    results = {}
-    with jax.set_mesh(mesh):
+    meta = newest_meta(ckpt, chosen, steps)
+    run = config_from_meta(meta, ckpt.path(chosen[-1]))
+    dataset = cfg.dataset or run.data.dataset
+    initialize_distributed(DistributedConfig())
+    evaluator, corpus, seq_len = setup(cfg, run.model, dataclasses.replace(run.data, dataset=dataset),
+                                       cfg.seq_len or run.train.seq_len)
+    records, failed = [], []
+    with jax.set_mesh(evaluator.mesh):
         for step in chosen:
-            check_compatible(ckpt.read_meta(step), run_cfg, ckpt.directory)
-            params = ckpt.restore_params(step, trainer.abstract_params)
-            results[step] = validation(run_cfg, trainer, params, corpus, cfg.batches)
-            report(step, results[step])
-            if cfg.prompt is not None:
-                print(sample_text(trainer.model(params), cfg))
+            try:
+                check_compatible(ckpt.read_meta(step), run, ckpt.path(step))
+                params = ckpt.restore_params(step, evaluator.abstract_params)
+                records.append(evaluate(cfg, evaluator, params, corpus, seq_len, step=step, dataset=dataset))
+            except CheckpointError as e:
+                if not cfg.all:
+                    raise CheckpointError(f"{e}; checkpoints in this run: {ckpt.all_steps()}") from None
+                warn(f"{e}; skipped (checkpoints in this run now: {ckpt.all_steps()})")
+                if not isinstance(e, CheckpointGone):
+                    failed.append(step)
+                continue
+            maybe_sample(cfg, evaluator.model(params))
     ckpt.close()
-    out = Path(cfg.out) if cfg.out else Path(cfg.run_dir) / "eval.json"
-    save_results(out, results)
-    if cfg.wandb and meta.get("wandb_id") and run_cfg.log.wandb != "disabled":
-        log_to_wandb(run_cfg, Path(cfg.run_dir), meta["wandb_id"], results)
+    finish(cfg, records, out=cfg.out or str(RunDir(cfg.run_dir) / "eval.json"))
+    log_to_wandb(cfg, run, meta, records)
+    if failed:
+        raise CheckpointError(f"{len(failed)} of {len(chosen)} checkpoints could not be evaluated (steps {failed});"
+                              " the others' results are saved")
     return 0
+
+
+def newest_meta(ckpt: Checkpoints, chosen: list[int], steps: list[int]) -> dict:
+    """The metadata of the newest chosen checkpoint that has readable metadata."""
+    for step in reversed(chosen):
+        try:
+            return ckpt.read_meta(step)
+        except CheckpointError as e:
+            if len(chosen) == 1:
+                raise CheckpointError(f"{e}; checkpoints in this run: {steps}") from None
+            warn(f"{e}; skipped")
+    raise CheckpointError(f"{ckpt.directory}: no checkpoint with readable metadata among steps {chosen}")
+
+
+def config_from_meta(meta: dict, where) -> Config:
+    """Rebuilds the run's Config from a checkpoint's metadata."""
+    from configs import from_dict
+
+    try:
+        return from_dict(meta["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: metadata holds no usable config ({e})") from None
 
 
 def evaluate_hf(cfg: EvalConfig) -> int:
-    from gpt2.hf import from_hf
+    from gpt2.hf import config_from_hf, from_hf, hf_directory, read_hf_config
 
-    base = Config()
-    probe = eval_run_config(base, cfg)
-    initialize_distributed(probe)
-    mesh = build_mesh(probe)
-    with jax.set_mesh(mesh):
-        model = from_hf(cfg.hf, mesh=mesh, rules=cfg.mesh.rules)
-        seq_len = cfg.seq_len or min(1024, model.config.block_size)
-        run_cfg = dataclasses.replace(probe, model=model.config,
-                                      train=dataclasses.replace(probe.train, seq_len=seq_len))
-        trainer = Trainer.build(run_cfg, mesh)
-        corpus = resolve_corpus(run_cfg)
+    directory = hf_directory(cfg.hf)
+    model_config = config_from_hf(read_hf_config(directory))
+    seq_len = cfg.seq_len or min(1024, model_config.block_size)
+    initialize_distributed(DistributedConfig())
+    evaluator, corpus, seq_len = setup(cfg, model_config, DataConfig(dataset=cfg.dataset), seq_len)
+    with jax.set_mesh(evaluator.mesh):
+        model = from_hf(directory, mesh=evaluator.mesh, rules=evaluator.rules)
         from flax import nnx
 
-        result = validation(run_cfg, trainer, nnx.state(model, nnx.Param), corpus, cfg.batches)
-        report(None, result)
-        if cfg.prompt is not None:
-            print(sample_text(model, cfg))
-    save_results(Path(cfg.out or "eval_hf.json"), {"hf": result})
+        record = evaluate(cfg, evaluator, nnx.state(model, nnx.Param), corpus, seq_len, step=None,
+                          dataset=cfg.dataset, model=str(cfg.hf))
+        maybe_sample(cfg, model)
+    finish(cfg, [record], out=cfg.out)
     return 0
 
 
-def eval_run_config(run: Config, cfg: EvalConfig) -> Config:
-    """The training config adapted to evaluation on this machine's devices."""
-    data = run.data if cfg.dataset is None else dataclasses.replace(run.data, dataset=cfg.dataset)
-    train = dataclasses.replace(run.train, batch_size=cfg.batch_size, grad_accum=1,
-                                seq_len=cfg.seq_len or run.train.seq_len)
-    return dataclasses.replace(run, data=data, train=train, mesh=cfg.mesh,
-                               distributed=run.distributed.__class__())
+def setup(cfg: EvalConfig, model_config, data: DataConfig, seq_len: int):
+    """(evaluator, corpus, seq_len) on this machine's devices; the prompt is checked before any work."""
+    if seq_len > model_config.block_size:
+        raise ConfigError(f"--seq_len={seq_len} exceeds the model's context of {model_config.block_size}")
+    if cfg.prompt is not None:
+        prompt_ids(cfg, model_config.block_size)
+    mesh = checked_mesh(cfg.mesh, cfg.batch_size, batch_flag=f"--batch_size={cfg.batch_size}")
+    evaluator = Evaluator.build(model_config, mesh, ShardingRules.preset(cfg.mesh.rules))
+    corpus = resolve_corpus(data, vocab_size=model_config.vocab_size, seq_len=seq_len)
+    return evaluator, corpus, seq_len
 
 
-def validation(cfg: Config, trainer: Trainer, params, corpus, batches: int | None) -> dict:
-    """Mean next-token loss over `batches` validation batches (default: all complete ones)."""
-    dataset = val_dataset(cfg, corpus, cfg.train.batch_size, num_epochs=1)
-    loss, n = mean_loss(trainer, trainer.eval_call(), params, dataset, batches)
+def evaluate(cfg: EvalConfig, evaluator: Evaluator, params, corpus, seq_len: int, **key) -> dict:
+    """One result record: the key (step or model, and the settings that change the number) and the figures."""
+    batches = val_dataset(corpus, vocab_size=evaluator.model_config.vocab_size, seq_len=seq_len,
+                          batch_size=cfg.batch_size, num_epochs=1)
+    loss, n = evaluator.mean_loss(params, batches, cfg.batches)
+    where = f"step {key['step']}" if key.get("step") is not None else "model"
     if n == 0:
-        raise DataError(f"{corpus.directory}: validation split is smaller than one batch")
-    return {"val_loss": loss, "perplexity": math.exp(loss), "batches": n,
-            "tokens": n * cfg.train.batch_size * cfg.train.seq_len}
-
-
-def report(step, r: dict) -> None:
+        raise ConfigError(f"{corpus.directory}: the validation split holds fewer than --batch_size={cfg.batch_size}"
+                          f" windows of --seq_len={seq_len} tokens; lower them")
+    if not math.isfinite(loss):
+        raise CheckpointError(f"{where}: validation loss is {loss} (the parameters are not finite)")
+    settings = {**key, "seq_len": seq_len, "batch_size": cfg.batch_size, "batches": cfg.batches or "all"}
+    record = {"key": ",".join(f"{k}={v}" for k, v in settings.items()), **settings, "val_loss": loss,
+              "perplexity": math.exp(loss), "batches_evaluated": n, "tokens": n * cfg.batch_size * seq_len}
     if jax.process_index() == 0:
-        where = f"step {step}" if step is not None else "model"
-        print(f"{where}: val_loss {r['val_loss']:.4f}  perplexity {r['perplexity']:.2f}"
-              f"  ({r['batches']} batches, {r['tokens']:,} tokens)")
+        print(f"{where}: val_loss {loss:.4f}  perplexity {record['perplexity']:.2f}  ({n} batches,"
+              f" {record['tokens']:,} tokens)")
+    return record
 
 
-def sample_text(model, cfg: EvalConfig) -> str:
-    return sample(model, prompt_ids(cfg, model.config.block_size), cfg.max_new_tokens, seed=cfg.seed,
-                  temperature=cfg.temperature, top_k=cfg.top_k)
+def maybe_sample(cfg: EvalConfig, model) -> None:
+    if cfg.prompt is None:
+        return
+    text = sample(model, prompt_ids(cfg, model.config.block_size), cfg.max_new_tokens, seed=cfg.seed,
+                  temperature=cfg.temperature, top_k=cfg.top_k)  # every process takes part
+    if jax.process_index() == 0:
+        print(text)
 
 
 def prompt_ids(cfg: EvalConfig, block_size: int) -> list[int]:
@@ -181,31 +234,27 @@ def prompt_ids(cfg: EvalConfig, block_size: int) -> list[int]:
     return prompt
 
 
-def save_results(path: Path, results: dict) -> None:
-    if jax.process_index() != 0:
+def finish(cfg: EvalConfig, records: list[dict], *, out: str) -> None:
+    if jax.process_index() == 0 and records:
+        merge_eval_results(out, records)
+        print(f"results: {out}")
+
+
+def log_to_wandb(cfg: EvalConfig, run: Config, meta: dict, records: list[dict]) -> None:
+    """Adds `eval/*` metrics to the training run, keyed by the checkpoint step, in the run's own wandb mode
+    (a run trained offline stays offline, whatever credentials this machine has)."""
+    if not (cfg.wandb and records and meta.get("wandb_id")) or jax.process_index() != 0:
         return
-    existing = json.loads(path.read_text()) if path.exists() else {}
-    existing.update({str(k): v for k, v in results.items()})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(existing, indent=2))
-    os.replace(tmp, path)
-    print(f"results: {path}")
-
-
-def log_to_wandb(cfg: Config, run_dir: Path, wandb_id: str, results: dict) -> None:
-    """Adds `eval/*` metrics to the training run, keyed by the checkpoint step."""
-    if jax.process_index() != 0:
+    mode = meta.get("wandb_mode") or resolve_wandb_mode(run.log.wandb)
+    wandb_run = init_wandb(RunDir(cfg.run_dir), mode, project=run.log.project,
+                           name=run.log.run_name or RunDir(cfg.run_dir).path.name, run_id=meta["wandb_id"])
+    if wandb_run is None:
         return
-    import wandb
-
-    mode = "offline" if cfg.log.wandb in ("offline", "auto") and not os.environ.get("WANDB_API_KEY") else "online"
-    run = wandb.init(project=cfg.log.project, id=wandb_id, resume="allow", dir=str(run_dir), mode=mode)
-    run.define_metric("eval/step")
-    run.define_metric("eval/*", step_metric="eval/step")
-    for step, r in sorted(results.items()):
-        run.log({"eval/step": step, "eval/val_loss": r["val_loss"], "eval/perplexity": r["perplexity"]})
-    run.finish()
+    wandb_run.define_metric("eval/step")
+    wandb_run.define_metric("eval/*", step_metric="eval/step")
+    for r in sorted(records, key=lambda r: r["step"]):
+        wandb_run.log({"eval/step": r["step"], "eval/val_loss": r["val_loss"], "eval/perplexity": r["perplexity"]})
+    wandb_run.finish()
 
 
 if __name__ == "__main__":

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -26,19 +24,21 @@ from tqdm.auto import tqdm
 import configs
 from configs.base import Config
 from configs.cli import fail, parse
-from data.loader import make_dataset, to_global
-from data.prepare import DataError
-from gpt2.config import ConfigError
-from gpt2.sharded import param_report, visualize_param
-from trainer.checkpoint import CheckpointError, Checkpoints, check_compatible, check_same_data, realign_data
-from trainer.evaluation import encode_prompt, mean_loss, sample
-from trainer.host import keep_freed_memory
-from trainer.metrics import MetricsLogger, peak_flops_per_device
-from trainer.setup import build_mesh, initialize_distributed, resolve_corpus, train_loader_config, val_dataset
-from trainer.step import Trainer
+from configs.errors import ONE_LINE, CheckpointError, ConfigError, UserError
+from data.loader import Corpus, corpus_identity, make_dataset, rows_consumed, to_global
+from gpt2.sharded_init import param_report, visualize_param
+from trainer.checkpoint import (Checkpoints, check_compatible, check_same_data, check_same_schedule,
+                                realign_data)
+from trainer.evaluation import encode_prompt, sample
+from trainer.malloc import keep_freed_memory
+from trainer.metrics import MetricsLogger, peak_flops_per_device, resolve_wandb_mode
+from trainer.run_dir import RunDir
+from trainer.setup import (build_mesh, initialize_distributed, library_logs_to, resolve_corpus,
+                           train_loader_config, val_dataset)
+from trainer.trainer import Trainer
 
 
-class Diverged(RuntimeError):
+class Diverged(UserError):
     """The loss or gradient norm stopped being finite."""
 
 
@@ -47,7 +47,7 @@ class SaveFailed(CheckpointError):
 
 
 def main(argv: list[str] | None = None) -> int:
-    keep_freed_memory()  # before JAX starts its threads: see trainer/host.py
+    keep_freed_memory()  # before JAX starts its threads: see trainer/malloc.py
     argv = sys.argv[1:] if argv is None else argv
     name, argv = pop_option(argv, "--config")
     topology, argv = pop_option(argv, "--aot")
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         # under their tracebacks, and there is nothing left worth flushing.
         print(f"error: {e}", file=sys.stderr, flush=True)
         os._exit(2)
-    except (ConfigError, DataError, CheckpointError, Diverged) as e:
+    except ONE_LINE as e:
         fail(str(e))
 
 
@@ -79,133 +79,228 @@ def pop_option(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
     return None, argv
 
 
-def train(cfg: Config) -> int:
-    initialize_distributed(cfg)
-    mesh = build_mesh(cfg)
-    corpus = resolve_corpus(cfg)
-    run_dir = Path(cfg.run_dir)
-    trainer = Trainer.build(cfg, mesh)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt = Checkpoints(run_dir, cfg.checkpoint)  # the first thing that writes to the run directory
-    except OSError as e:
-        raise CheckpointError(f"cannot write the run directory {run_dir}: {e.strerror or e}") from None
-    train_iter = iter(make_dataset(corpus.files("train"), cfg.model.vocab_size, train_loader_config(cfg)))
-    main_process = jax.process_index() == 0
+# ---- one run ---------------------------------------------------------------------------------------
 
-    with jax.set_mesh(mesh):
-        state, wandb_id = restore_or_init(cfg, trainer, ckpt, train_iter)
+
+@dataclasses.dataclass
+class Run:
+    """Everything the training loop works with."""
+
+    cfg: Config
+    trainer: Trainer
+    run_dir: RunDir
+    ckpt: Checkpoints
+    corpus: Corpus
+    train_iter: object  # Grain iterator of [B_local, T+1] batches
+    logger: MetricsLogger | None = None
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    def next_batches(self, n: int) -> tuple[jax.Array, np.ndarray]:
+        """The next n batches as one global [K, B, T+1] array (zero-padded to K) and the [K] active mask."""
+        k = self.cfg.train.steps_per_call
+        local = [next(self.train_iter) for _ in range(n)]
+        local += [np.zeros_like(local[0])] * (k - n)
+        return to_global(np.stack(local), self.trainer.batch_sharding), np.arange(k) < n
+
+
+def train(cfg: Config) -> int:
+    check_sample_prompt(cfg)
+    initialize_distributed(cfg.distributed)
+    mesh = build_mesh(cfg)
+    run_dir = RunDir(cfg.run_dir)
+    take_lock(run_dir)
+    try:
+        return _train(cfg, mesh, run_dir)
+    finally:
+        run_dir.unlock()
+
+
+def _train(cfg: Config, mesh, run_dir: RunDir) -> int:
+    corpus = resolve_corpus(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
+    trainer = Trainer.build(cfg, mesh)
+    if jax.process_index() == 0:
+        run_dir.check_writable("checkpoints")  # Orbax would otherwise stall for minutes before failing
+    run = Run(cfg, trainer, run_dir, Checkpoints(run_dir.path, cfg.checkpoint), corpus,
+              iter(make_dataset(corpus.files("train"), cfg.model.vocab_size, train_loader_config(cfg))))
+    with jax.set_mesh(mesh), library_logs_to(run_dir / "logs"):
+        restored = restore(run)
+        if restored == "finished":
+            return 0
+        state, saved = restored
         start = int(state["step"])
-        if main_process:
-            write_config(run_dir, cfg)
+        if jax.process_index() == 0:
+            run_dir.record_config(dataclasses.asdict(cfg), start)
             print(param_report(trainer.model(state["params"]), mesh))
             if cfg.log.show_sharding:
                 visualize_param(trainer.model(state["params"]), cfg.log.show_sharding)
-        logger = MetricsLogger(cfg, run_dir, wandb_id=wandb_id, start_step=start)
-        meta = {"config": dataclasses.asdict(cfg), "wandb_id": logger.wandb_id}
+        wandb_mode = saved.get("wandb_mode") or resolve_wandb_mode(cfg.log.wandb)
+        run.logger = MetricsLogger(cfg, run_dir, wandb_id=saved.get("wandb_id"), wandb_mode=wandb_mode,
+                                   start_step=start)
+        run.meta = {"config": dataclasses.asdict(cfg), "wandb_id": run.logger.wandb_id, "wandb_mode": wandb_mode,
+                    "corpus": corpus_identity(corpus)}
         with Preemption() as preemption:
-            state = loop(cfg, trainer, state, train_iter, corpus, ckpt, logger, meta, preemption)
-        end = int(state["step"])
-        if main_process and end >= cfg.train.steps and cfg.train.sample_tokens:
-            print(sample_text(cfg, trainer, state))
-        logger.plot()
-        logger.close()
-    ckpt.close()
+            state = loop(run, state, preemption)
+        if int(state["step"]) >= cfg.train.steps and cfg.train.sample_tokens:
+            text = sample_text(cfg, trainer, state)  # every process: the parameters may span them all
+            if jax.process_index() == 0:
+                print(text)
+        run.logger.plot()
+        run.logger.close()
+    run.ckpt.close()
     return 0
 
 
-def restore_or_init(cfg, trainer: Trainer, ckpt: Checkpoints, train_iter):
-    """The latest complete checkpoint (state and data position), or a fresh sharded initialization."""
-    step = ckpt.latest_step()
-    if step is None:
-        return trainer.init_state(), None
-    saved = ckpt.read_meta(step)
-    check_compatible(saved, cfg, ckpt.directory)
-    check_same_data(saved, cfg, ckpt.directory)
-    state = ckpt.restore(step, trainer.abstract_state(), train_iter)
-    realign_data(saved, cfg, train_iter, ckpt.directory)
+def take_lock(run_dir: RunDir) -> None:
+    """Process 0 takes the run directory for the whole job (all processes of a job are one writer); if it
+    cannot, every process stops."""
+    failure = None
     if jax.process_index() == 0:
-        print(f"resumed from {ckpt.directory / str(step)}")
-    return state, saved.get("wandb_id")
+        try:
+            run_dir.lock()
+        except UserError as e:
+            failure = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        if not bool(multihost_utils.broadcast_one_to_all(np.array(failure is None))):
+            failure = failure or UserError(f"{run_dir.path}: process 0 could not take the run directory")
+    if failure is not None:
+        raise failure
 
 
-def loop(cfg: Config, trainer: Trainer, state, train_iter, corpus, ckpt, logger, meta, preemption):
+def check_sample_prompt(cfg: Config) -> None:
     t = cfg.train
-    call = trainer.train_call()
-    evaluate = make_evaluator(cfg, trainer, corpus)
+    if t.sample_tokens:
+        n = len(encode_prompt(t.sample_prompt))
+        if n + t.sample_tokens > cfg.model.block_size:
+            raise ConfigError(f"train.sample_prompt encodes to {n} tokens; with train.sample_tokens={t.sample_tokens}"
+                              f" that exceeds model.block_size={cfg.model.block_size}")
+
+
+def restore(run: Run):
+    """(state, checkpoint meta) of the newest checkpoint that restores, a fresh state, or "finished"."""
+    cfg, trainer = run.cfg, run.trainer
+
+    def attempt(step: int, saved: dict):
+        check_compatible(saved, cfg, run.ckpt.path(step))
+        if step >= cfg.train.steps:
+            return "finished"
+        check_same_data(saved, cfg, corpus_identity(run.corpus), run.ckpt.path(step))
+        check_same_schedule(saved, cfg, run.ckpt.path(step))
+        state = run.ckpt.restore(step, trainer.abstract_state(), run.train_iter)
+        realign_data(saved, cfg, run.train_iter, run.ckpt.path(step))
+        return state
+
+    found = run.ckpt.restore_latest(attempt)
+    if found is None:
+        return trainer.init_state(), {}
+    step, saved, state = found
+    if state == "finished":
+        if jax.process_index() == 0:
+            print(f"{run.run_dir.path}: already finished at step {step}; train.steps={cfg.train.steps}"
+                  " (raise train.steps to continue it; see README, Training)")
+        return "finished"
+    if jax.process_index() == 0:
+        print(f"resumed from {run.ckpt.path(step)}")
+    return state, saved
+
+
+# ---- the loop --------------------------------------------------------------------------------------
+
+
+def steps_this_call(step: int, stop: int, cfg: Config) -> int:
+    """Steps the next call takes: K, or fewer so that the call ends exactly at the next evaluation,
+    checkpoint or stop (a call's steps only run where its active mask says so: no second executable)."""
+    t = cfg.train
+    ends = [stop, step + t.steps_per_call, (step // cfg.checkpoint.every + 1) * cfg.checkpoint.every]
+    if t.eval_every:
+        ends.append((step // t.eval_every + 1) * t.eval_every)
+    return min(ends) - step
+
+
+def loop(run: Run, state, preemption: "Preemption"):
+    cfg, t = run.cfg, run.cfg.train
+    call = run.trainer.train_call()
+    evaluate = make_evaluator(run)
     step = int(state["step"])
     stop = min(t.steps, t.stop_after or t.steps)
     tokens_per_step = t.batch_size * t.seq_len
     flops_per_step = cfg.model.flops_per_token(t.seq_len) * tokens_per_step
     peak = peak_flops_per_device(t.peak_flops) * jax.device_count()
-    bar = tqdm(total=t.steps, initial=step, unit="step", disable=not (cfg.log.progress and logger.active),
+    bar = tqdm(total=t.steps, initial=step, unit="step", disable=not (cfg.log.progress and run.logger.active),
                dynamic_ncols=True)
-    while step < stop:
-        batches = to_global(next(train_iter), trainer.batch_sharding)  # [K, B, T+1]
-        started = time.perf_counter()
-        state, metrics = call(state, batches)
-        metrics = jax.device_get(metrics)  # waits for the call: the timing below is honest
-        elapsed = time.perf_counter() - started
-        k = len(metrics["loss"])
-        check_finite(metrics, step, ckpt)
-        for i in range(k):
-            step += 1
-            logger.log({
-                "step": step, "loss": float(metrics["loss"][i]), "lr": float(metrics["lr"][i]),
-                "grad_norm": float(metrics["grad_norm"][i]), "tokens": step * tokens_per_step,
-                "tokens_per_s": k * tokens_per_step / elapsed, "mfu": k * flops_per_step / elapsed / peak,
-            })
-        bar.update(k)
-        bar.set_postfix(loss=f"{metrics['loss'][-1]:.3f}", tok_s=f"{k * tokens_per_step / elapsed:,.0f}",
-                        mfu=f"{k * flops_per_step / elapsed / peak:.1%}")
-        if t.eval_every and step % t.eval_every < k or step == t.steps:
-            evaluate(state["params"], step, logger, bar)
-        done = step >= stop or preemption.requested()
-        if step % cfg.checkpoint.every < k or done:
-            save(ckpt, step, state, train_iter, meta)
-        if done:
-            break
-    bar.close()
-    wait_for_saves(ckpt)
-    if preemption.requested() and logger.active:
+    with save_errors(run):
+        while step < stop:
+            n = steps_this_call(step, stop, cfg)
+            batches, active = run.next_batches(n)
+            started = time.perf_counter()
+            state, metrics = call(state, batches, active)
+            metrics = {k: v[:n] for k, v in jax.device_get(metrics).items()}  # waits: the timing is honest
+            elapsed = time.perf_counter() - started
+            check_finite(metrics, step, run.ckpt)
+            for i in range(n):
+                step += 1
+                run.logger.log({
+                    "step": step, "loss": float(metrics["loss"][i]), "lr": float(metrics["lr"][i]),
+                    "grad_norm": float(metrics["grad_norm"][i]), "tokens": step * tokens_per_step,
+                    "tokens_per_s": n * tokens_per_step / elapsed, "mfu": n * flops_per_step / elapsed / peak,
+                })
+            bar.update(n)
+            bar.set_postfix(loss=f"{metrics['loss'][-1]:.3f}", tok_s=f"{n * tokens_per_step / elapsed:,.0f}",
+                            mfu=f"{n * flops_per_step / elapsed / peak:.1%}")
+            if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+                evaluate(state["params"], step, bar)
+            done = step >= stop or preemption.requested()
+            if step % cfg.checkpoint.every == 0 or done:
+                run.ckpt.save(step, state, run.train_iter,
+                              {**run.meta, "data_rows": rows_consumed_or_none(run)})
+            if done:
+                break
+        bar.close()
+        run.ckpt.wait()
+    if preemption.requested() and run.logger.active:
         print(f"stopped by {preemption.signal_name} at step {step}; checkpoint saved, restart to resume")
     return state
 
 
-def save(ckpt: Checkpoints, step: int, state, train_iter, meta) -> None:
-    """Saves (asynchronously if configured); a failed write becomes a one-line error.
-
-    Orbax writes into a temporary directory and renames it when complete, so a failure here never damages
-    the checkpoints already on disk.
-    """
-    with _save_errors(ckpt.directory / str(step)):
-        ckpt.save(step, state, train_iter, meta, force=True)
-
-
-def wait_for_saves(ckpt: Checkpoints) -> None:
-    """Blocks until pending asynchronous saves are on disk (their errors surface here)."""
-    with _save_errors(ckpt.directory):
-        ckpt.wait()
+def rows_consumed_or_none(run: Run) -> int | None:
+    """Rows of the global permutation read so far (None with Grain worker processes: position kept exactly
+    by Grain's own state, but it cannot be regrouped)."""
+    try:
+        return rows_consumed(run.train_iter, run.cfg.train.batch_size)
+    except UserError:
+        return None
 
 
 @contextlib.contextmanager
-def _save_errors(where: Path):
+def save_errors(run: Run):
+    """A failed checkpoint write (disk full, I/O error, permissions) becomes one line; any other stop waits
+    for the saves in flight first, so they are never abandoned half-written."""
     try:
         yield
     except (OSError, ValueError, RuntimeError) as e:
+        if isinstance(e, UserError):
+            _wait_quietly(run.ckpt)
+            raise
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise SaveFailed(f"could not save checkpoint {where}: {reason}") from None
+        raise SaveFailed(f"could not save checkpoint in {run.ckpt.directory}: {reason}") from None
 
 
-def make_evaluator(cfg: Config, trainer: Trainer, corpus):
-    eval_call = trainer.eval_call()
-    val = val_dataset(cfg, corpus, cfg.train.batch_size)
+def _wait_quietly(ckpt: Checkpoints) -> None:
+    with contextlib.suppress(Exception):
+        ckpt.wait()
 
-    def evaluate(params, step, logger, bar) -> float:
-        val_loss, _ = mean_loss(trainer, eval_call, params, val, cfg.train.eval_batches)
-        logger.log({"step": step, "val_loss": val_loss})
-        logger.plot()
-        if logger.active:
+
+def make_evaluator(run: Run):
+    cfg, evaluator = run.cfg, run.trainer.evaluator
+    val = val_dataset(run.corpus, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
+                      batch_size=cfg.train.batch_size, prefetch=cfg.data.prefetch)
+
+    def evaluate(params, step, bar) -> float:
+        val_loss, _ = evaluator.mean_loss(params, val, cfg.train.eval_batches)
+        run.logger.log({"step": step, "val_loss": val_loss})
+        run.logger.plot()
+        if run.logger.active:
             bar.write(f"step {step}: val_loss {val_loss:.4f}")
         return val_loss
 
@@ -217,9 +312,9 @@ def check_finite(metrics: dict, step: int, ckpt: Checkpoints) -> None:
     bad = ~(np.isfinite(metrics["loss"]) & np.isfinite(metrics["grad_norm"]))
     if bad.any():
         first = step + int(np.argmax(bad)) + 1
-        wait_for_saves(ckpt)
-        last = ckpt.latest_step()
-        where = f"last good checkpoint: {ckpt.directory / str(last)}" if last is not None else "no checkpoint yet"
+        ckpt.wait()
+        steps = ckpt.all_steps()
+        where = f"last good checkpoint: {ckpt.path(steps[-1])}" if steps else "no checkpoint yet"
         raise Diverged(
             f"training diverged at step {first} (loss {metrics['loss'][bad][0]}, grad_norm"
             f" {metrics['grad_norm'][bad][0]}); {where}"
@@ -228,19 +323,9 @@ def check_finite(metrics: dict, step: int, ckpt: Checkpoints) -> None:
 
 def sample_text(cfg: Config, trainer: Trainer, state) -> str:
     prompt = encode_prompt(cfg.train.sample_prompt)
-    n = min(cfg.train.sample_tokens, cfg.model.block_size - len(prompt))
-    text = sample(trainer.model(state["params"]), prompt, n, seed=cfg.train.seed, temperature=0.8, top_k=200)
+    text = sample(trainer.model(state["params"]), prompt, cfg.train.sample_tokens, seed=cfg.train.seed,
+                  temperature=0.8, top_k=200)
     return f"--- sample ---\n{text}\n--------------"
-
-
-def write_config(run_dir: Path, cfg: Config) -> None:
-    """The effective config, printed and saved as run_dir/config.json (atomically)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(dataclasses.asdict(cfg), indent=2)
-    tmp = run_dir / ".config.json.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, run_dir / "config.json")
-    print(f"config ({run_dir / 'config.json'}):\n{text}")
 
 
 class Preemption:

@@ -3,7 +3,7 @@
     python -m benchmarks.train_step                    # the CPU smoke shape, K = 1 and 16
     python -m benchmarks.train_step --shape 124m --remat full --attention-query-blocks 4 --k 1 --repeats 3
     python -m benchmarks.train_step --json out.json
-    python -m benchmarks.train_step --no-keep-freed-memory   # glibc's malloc defaults (see trainer/host.py)
+    python -m benchmarks.train_step --no-keep-freed-memory   # glibc's malloc defaults (see trainer/malloc.py)
 
 Everything is measured in this one process, on the same threads, so the ratios hold even though absolute
 speeds on a shared machine drift. Warm-up (compilation) runs are excluded; each figure is the median of
@@ -26,9 +26,9 @@ import numpy as np
 from configs.base import CheckpointConfig, Config, OptimConfig, TrainConfig
 from gpt2 import GPT2Config, make_mesh
 from gpt2.config import RematPolicy
-from trainer.host import keep_freed_memory
+from trainer.malloc import keep_freed_memory
 from trainer.metrics import measure_matmul_peak
-from trainer.step import Trainer
+from trainer.trainer import Trainer
 
 SHAPES = {
     # issue 6's CPU smoke shape and GPT-2 124M
@@ -72,14 +72,15 @@ def ours(cfg: Config, repeats: int) -> dict:
     with jax.set_mesh(mesh):
         call = trainer.train_call()
         batch = jax.device_put(batch, trainer.batch_sharding)
+        active = np.ones(t.steps_per_call, bool)
         state = [trainer.init_state()]
         started = time.perf_counter()
-        state[0], m = call(state[0], batch)
+        state[0], m = call(state[0], batch, active)
         jax.block_until_ready(m)
         first = time.perf_counter() - started
 
         def run():
-            state[0], m = call(state[0], batch)
+            state[0], m = call(state[0], batch, active)
             jax.block_until_ready(m)
 
         r = timed(run, repeats)
@@ -118,10 +119,9 @@ def compile_seconds(config: GPT2Config, batch: int, seq: int) -> float:
     cfg = Config(model=config, train=TrainConfig(batch_size=batch, seq_len=seq, steps_per_call=1))
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     trainer = Trainer.build(cfg, mesh)
-    spec = jax.ShapeDtypeStruct((1, batch, seq + 1), jnp.int32, sharding=trainer.batch_sharding)
     started = time.perf_counter()
     with jax.set_mesh(mesh):
-        trainer.train_call().lower(trainer.abstract_state(), spec).compile()
+        trainer.lower().compile()
     return time.perf_counter() - started
 
 
@@ -130,7 +130,7 @@ def loader_tokens_per_s(seconds: float = 3.0) -> float:
     from data.prepare import prepare_shakespeare
 
     corpus = prepare_shakespeare(os.path.expanduser("~/.cache/gpt2_nnx/shakespeare"), quiet=True)
-    cfg = LoaderConfig(seq_len=1024, batch_size=8, steps_per_call=1, num_workers=0)
+    cfg = LoaderConfig(seq_len=1024, batch_size=8, num_workers=0)
     it = iter(make_dataset([corpus / "train.bin"], 50257, cfg, shard_index=0, shard_count=1))
     next(it)
     n, started = 0, time.perf_counter()
@@ -152,7 +152,7 @@ def checkpoint_blocking(cfg: Config, repeats: int = 3) -> dict:
         ckpt = Checkpoints(d, CheckpointConfig(keep=2, async_save=True))
         for step in range(repeats + 1):
             started = time.perf_counter()
-            ckpt.save(step, state, None, {"step": step}, force=True)
+            ckpt.save(step, state, None, {"step": step})
             blocked.append(time.perf_counter() - started)
             ckpt.wait()
             total.append(time.perf_counter() - started)
@@ -174,7 +174,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--skip", nargs="*", default=[], choices=["torch", "compile", "loader", "checkpoint"])
     p.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
-                   help="leave glibc's malloc defaults (train.py does not; see trainer/host.py)")
+                   help="leave glibc's malloc defaults (train.py does not; see trainer/malloc.py)")
     args = p.parse_args(argv)
     kept = keep_freed_memory() if args.keep_freed_memory else False
 
@@ -183,27 +183,13 @@ def main(argv=None) -> None:
                "cpu_count": os.cpu_count(), "keep_freed_memory": kept}
     results["peak_flops_f32"] = measure_matmul_peak(dtype=jnp.float32)
     results["peak_flops_bf16"] = measure_matmul_peak(dtype=jnp.bfloat16)
-    flops_per_token = config_for(args.shape, 1).model.flops_per_token(SHAPES[args.shape]["seq"])
-    # Tokens/s if every model FLOP ran at XLA's best matmul rate: no XLA program of this model can beat it.
-    results["ceiling_tokens_per_s"] = results["peak_flops_f32"] / flops_per_token
     for k in args.k:
-        cfg = config_for(args.shape, k, remat=args.remat, attention_query_blocks=args.attention_query_blocks)
-        r = ours(cfg, args.repeats)
-        r["mfu_vs_f32_peak"] = r["tokens_per_s"] * flops_per_token / results["peak_flops_f32"]
-        results[f"ours_k{k}"] = r
+        results[f"ours_k{k}"] = ours(config_for(args.shape, k, remat=args.remat,
+                                                attention_query_blocks=args.attention_query_blocks), args.repeats)
     if "torch" not in args.skip:
         results["torch_peak_flops_f32"] = torch_matmul_peak("float32")
         results["torch_peak_flops_bf16"] = torch_matmul_peak("bfloat16")
-        r = results["transformers"] = theirs(config_for(args.shape, 1), args.repeats)
-        r["mfu_vs_f32_peak"] = r["tokens_per_s"] * flops_per_token / results["peak_flops_f32"]
-        r["mfu_vs_torch_f32_peak"] = r["tokens_per_s"] * flops_per_token / results["torch_peak_flops_f32"]
-        for k in args.k:
-            results[f"ratio_ours_k{k}_vs_transformers"] = (
-                results[f"ours_k{k}"]["tokens_per_s"] / results["transformers"]["tokens_per_s"])
-        results["ratio_ceiling_vs_transformers"] = results["ceiling_tokens_per_s"] / r["tokens_per_s"]
-    if len(args.k) > 1:
-        results[f"ratio_k{args.k[-1]}_vs_k{args.k[0]}"] = (
-            results[f"ours_k{args.k[-1]}"]["tokens_per_s"] / results[f"ours_k{args.k[0]}"]["tokens_per_s"])
+        results["transformers"] = theirs(config_for(args.shape, 1), args.repeats)
     if "compile" not in args.skip:
         s = SHAPES[args.shape]
         results["compile_s"] = {
@@ -212,16 +198,37 @@ def main(argv=None) -> None:
             "gpt2_scan": compile_seconds(GPT2Config.gpt2(), 1, 128),
             "gpt2_xl_scan": compile_seconds(GPT2Config.gpt2_xl(), 1, 128),
         }
-        results["compile_s"]["xl_vs_gpt2"] = results["compile_s"]["gpt2_xl_scan"] / results["compile_s"]["gpt2_scan"]
     if "loader" not in args.skip:
         results["loader_tokens_per_s"] = loader_tokens_per_s()
     if "checkpoint" not in args.skip:
         results["checkpoint"] = checkpoint_blocking(config_for(args.shape, 1))
+    derive(results, config_for(args.shape, 1).model.flops_per_token(SHAPES[args.shape]["seq"]), args.k)
     print_table(results)
     print(json.dumps(results, indent=2))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def derive(results: dict, flops_per_token: float, ks: list[int]) -> dict:
+    """Adds the figures computed from the measurements: MFUs, the ceiling, and every ratio."""
+    r = results
+    # Tokens/s if every model FLOP ran at XLA's best matmul rate: no XLA program of this model can beat it.
+    r["ceiling_tokens_per_s"] = r["peak_flops_f32"] / flops_per_token
+    for k in ks:
+        r[f"ours_k{k}"]["mfu_vs_f32_peak"] = r[f"ours_k{k}"]["tokens_per_s"] * flops_per_token / r["peak_flops_f32"]
+    if "transformers" in r:
+        t = r["transformers"]
+        t["mfu_vs_f32_peak"] = t["tokens_per_s"] * flops_per_token / r["peak_flops_f32"]
+        t["mfu_vs_torch_f32_peak"] = t["tokens_per_s"] * flops_per_token / r["torch_peak_flops_f32"]
+        for k in ks:
+            r[f"ratio_ours_k{k}_vs_transformers"] = r[f"ours_k{k}"]["tokens_per_s"] / t["tokens_per_s"]
+        r["ratio_ceiling_vs_transformers"] = r["ceiling_tokens_per_s"] / t["tokens_per_s"]
+    if len(ks) > 1:
+        r[f"ratio_k{ks[-1]}_vs_k{ks[0]}"] = r[f"ours_k{ks[-1]}"]["tokens_per_s"] / r[f"ours_k{ks[0]}"]["tokens_per_s"]
+    if "compile_s" in r:
+        r["compile_s"]["xl_vs_gpt2"] = r["compile_s"]["gpt2_xl_scan"] / r["compile_s"]["gpt2_scan"]
+    return r
 
 
 def print_table(r: dict) -> None:

@@ -9,9 +9,9 @@ import typing
 from pathlib import Path
 
 from configs.base import Config
-from gpt2.config import ConfigError
+from configs.errors import ConfigError
 
-_NOT_PRESETS = {"base", "cli"}
+_NOT_PRESETS = {"base", "cli", "errors"}
 PRESETS = sorted(
     m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if m.name not in _NOT_PRESETS
 )

@@ -7,9 +7,11 @@ line: `python train.py --config gpt2_124m --model.n_layer=6 --train.batch_size=1
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
-from gpt2.config import ConfigError, GPT2Config
+from configs.errors import ConfigError
+from gpt2.config import GPT2Config
 from gpt2.sharding import ShardingRules
 
 
@@ -21,9 +23,9 @@ class DataConfig:
       dataset: "shakespeare" (the embedded corpus, tokenized into `cache_dir` on first use) or the
         directory of a corpus prepared with `python -m data.prepare`.
       cache_dir: where the embedded corpus is tokenized to.
-      num_workers: Grain worker processes per host (0 reads in the training process).
-      prefetch: batches read ahead.
-      seed: data order seed (independent of the model seed).
+      num_workers: Grain worker processes per host (>= 0; 0 reads in the training process).
+      prefetch: batches read ahead (>= 0).
+      seed: data order seed (>= 0; independent of the model seed).
     """
 
     dataset: str = "shakespeare"
@@ -38,14 +40,15 @@ class OptimConfig:
     """AdamW with linear warmup, cosine decay to a floor, and global-norm clipping.
 
     Attributes:
-      lr: peak learning rate.
-      min_lr_ratio: the cosine floor as a fraction of `lr` (Chinchilla / nanoGPT use 0.1).
-      warmup_steps: linear warmup from 0.
-      decay_steps: end of the cosine (default: `train.steps`).
-      b1, b2: Adam betas; 0.95 for b2 as in GPT-3 (Brown et al. 2020, appendix B).
-      eps: Adam epsilon.
-      weight_decay: decoupled weight decay, applied to matrices and embeddings only (not biases or norms).
-      grad_clip: clip the global gradient norm to this (0 disables).
+      lr: peak learning rate (finite, > 0).
+      min_lr_ratio: the cosine floor as a fraction of `lr`, in [0, 1] (Chinchilla / nanoGPT use 0.1).
+      warmup_steps: linear warmup from 0 (>= 0 steps).
+      decay_steps: end of the cosine (>= 1; default: `train.steps`).
+      b1, b2: Adam betas, in [0, 1); 0.95 for b2 as in GPT-3 (Brown et al. 2020, appendix B).
+      eps: Adam epsilon (finite, > 0).
+      weight_decay: decoupled weight decay (finite, >= 0), applied to matrices and embeddings only (not biases
+        or norms).
+      grad_clip: clip the global gradient norm to this (finite, >= 0; 0 disables).
     """
 
     lr: float = 6e-4
@@ -64,7 +67,8 @@ class MeshConfig:
     """Device mesh sizes (-1: all remaining devices) and the logical-axis rules preset.
 
     Attributes:
-      data, fsdp, tensor: mesh axis sizes; their product must be the number of devices.
+      data, fsdp, tensor: mesh axis sizes (>= 1, or -1 for "the rest"); their product must be the number of
+        devices.
       rules: one of gpt2.sharding.RULES: dp, fsdp, tp, fsdp_tp.
     """
 
@@ -79,19 +83,25 @@ class TrainConfig:
     """The training loop.
 
     Attributes:
-      steps: optimizer steps in total.
-      batch_size: global batch (sequences per optimizer step, over all processes).
-      seq_len: tokens per sequence (at most model.block_size).
-      grad_accum: micro-batches per optimizer step (batch_size is split into this many).
-      steps_per_call: K optimizer steps run by one jitted call (a lax.scan); logging stays per step.
-      seed: model initialization and dropout seed.
-      eval_every: steps between validation-loss evaluations (0: only at the end).
-      eval_batches: validation batches per evaluation.
-      sample_prompt: text sampled from at the end of training.
-      sample_tokens: tokens generated for that sample.
-      peak_flops: per-device peak FLOP/s for MFU (default: looked up from the device kind).
-      stop_after: end this invocation (with a checkpoint) once this step is reached, without changing
-        the schedule; a later start resumes towards `steps` (time-boxed jobs).
+      steps: optimizer steps in total (>= 1); a run never takes a step past it.
+      batch_size: global batch (>= 1 sequences per optimizer step, over all processes).
+      seq_len: tokens per sequence (>= 1, at most model.block_size).
+      grad_accum: micro-batches per optimizer step (>= 1; batch_size is split into this many).
+      steps_per_call: K optimizer steps run by one jitted call (>= 1; a lax.scan); logging stays per step. A
+        call stops early at an evaluation, a checkpoint or the last step, so none of them moves with K.
+      seed: model initialization and dropout seed (>= 0).
+      eval_every: evaluate the validation loss every this many steps (>= 0; 0: only at the last step, where
+        an evaluation always runs).
+      eval_batches: validation batches per evaluation (>= 1).
+      sample_prompt: text sampled from at the end of training (prompt + sample_tokens must fit
+        model.block_size).
+      sample_tokens: tokens generated for that sample (>= 0; 0: no sample).
+      peak_flops: per-device peak FLOP/s for MFU (finite, > 0; default: looked up from the device kind).
+      stop_after: end this invocation (with a checkpoint) at this step (>= 1), without changing the
+        schedule; a later start resumes towards `steps` (time-boxed jobs).
+      reschedule: allow a resumed run to change the learning-rate schedule (train.steps without a fixed
+        optim.decay_steps, optim.lr, min_lr_ratio, warmup_steps, decay_steps): the rate then jumps to the
+        new schedule's value at the resumed step. Without it such a resume is refused.
     """
 
     steps: int = 1000
@@ -106,6 +116,7 @@ class TrainConfig:
     sample_tokens: int = 100
     peak_flops: float | None = None
     stop_after: int | None = None
+    reschedule: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +124,9 @@ class CheckpointConfig:
     """Orbax checkpointing.
 
     Attributes:
-      every: steps between saves (a save also happens at the end); rounded up to whole train calls.
-      keep: most recent checkpoints kept.
-      keep_every: also keep every checkpoint whose step is a multiple of this.
+      every: save every this many steps (>= 1; a save also happens at the end).
+      keep: most recent checkpoints kept (>= 1).
+      keep_every: also keep every checkpoint whose step is a multiple of this (>= 1).
       async_save: write in the background while training continues.
     """
 
@@ -153,9 +164,9 @@ class DistributedConfig:
       coordinator_address: "host:port" of process 0.
       num_processes: processes in the job.
       process_id: this process's index.
-      heartbeat_timeout_seconds: a process missing this long is declared dead and the others exit with
-        an error instead of waiting forever.
-      initialization_timeout: seconds to wait for every process to join.
+      heartbeat_timeout_seconds: a process missing this long (>= 1 s) is declared dead and the others exit
+        with an error instead of waiting forever.
+      initialization_timeout: seconds to wait for every process to join (>= 1).
     """
 
     coordinator_address: str | None = None
@@ -184,28 +195,62 @@ class Config:
 
 
 def validate(c: Config) -> None:
-    """Cross-field checks; each failure names the field(s)."""
-    t = c.train
-    positive = {
+    """Every bound stated in the fields' docs, and the cross-field checks; each failure names the flag."""
+    t, o, ck, d = c.train, c.optim, c.checkpoint, c.distributed
+    for name, value in {
         "train.steps": t.steps, "train.batch_size": t.batch_size, "train.seq_len": t.seq_len,
         "train.grad_accum": t.grad_accum, "train.steps_per_call": t.steps_per_call,
-        "train.eval_batches": t.eval_batches, "checkpoint.every": c.checkpoint.every,
-        "checkpoint.keep": c.checkpoint.keep, "optim.lr": c.optim.lr,
-    }
-    for name, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{name} must be positive, got {value!r}")
-    nonneg = {"train.eval_every": t.eval_every, "optim.warmup_steps": c.optim.warmup_steps,
-              "optim.weight_decay": c.optim.weight_decay, "optim.grad_clip": c.optim.grad_clip,
-              "data.num_workers": c.data.num_workers, "data.prefetch": c.data.prefetch,
-              "train.sample_tokens": t.sample_tokens}
-    for name, value in nonneg.items():
-        if value < 0:
-            raise ConfigError(f"{name} must be >= 0, got {value!r}")
+        "train.eval_batches": t.eval_batches, "checkpoint.every": ck.every, "checkpoint.keep": ck.keep,
+        "checkpoint.keep_every": ck.keep_every, "train.stop_after": t.stop_after,
+        "optim.decay_steps": o.decay_steps, "distributed.num_processes": d.num_processes,
+        "distributed.heartbeat_timeout_seconds": d.heartbeat_timeout_seconds,
+        "distributed.initialization_timeout": d.initialization_timeout,
+    }.items():
+        _integer(name, value, minimum=1)
+    for name, value in {
+        "train.eval_every": t.eval_every, "train.sample_tokens": t.sample_tokens, "train.seed": t.seed,
+        "optim.warmup_steps": o.warmup_steps, "data.num_workers": c.data.num_workers,
+        "data.prefetch": c.data.prefetch, "data.seed": c.data.seed, "distributed.process_id": d.process_id,
+    }.items():
+        _integer(name, value, minimum=0)
+    for name, value in {"mesh.data": c.mesh.data, "mesh.fsdp": c.mesh.fsdp, "mesh.tensor": c.mesh.tensor}.items():
+        _integer(name, value, minimum=-1)
+        if value == 0:
+            raise ConfigError(f"{name} must be >= 1 or -1 (the rest of the devices), got 0")
+    _real("optim.lr", o.lr, low=0, low_open=True)
+    _real("optim.eps", o.eps, low=0, low_open=True)
+    _real("optim.weight_decay", o.weight_decay, low=0)
+    _real("optim.grad_clip", o.grad_clip, low=0)
+    _real("optim.min_lr_ratio", o.min_lr_ratio, low=0, high=1)
+    _real("optim.b1", o.b1, low=0, high=1, high_open=True)
+    _real("optim.b2", o.b2, low=0, high=1, high_open=True)
+    if t.peak_flops is not None:
+        _real("train.peak_flops", t.peak_flops, low=0, low_open=True)
     if t.seq_len > c.model.block_size:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.block_size={c.model.block_size}")
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.grad_accum={t.grad_accum} must divide train.batch_size={t.batch_size}")
+    if d.num_processes is not None and d.process_id is not None and d.process_id >= d.num_processes:
+        raise ConfigError(f"distributed.process_id={d.process_id} must be < distributed.num_processes="
+                          f"{d.num_processes}")
     ShardingRules.preset(c.mesh.rules)  # an unknown preset name fails here, before any work
-    if not 0.0 <= c.optim.min_lr_ratio <= 1.0:
-        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {c.optim.min_lr_ratio}")
+
+
+def _integer(name: str, value, *, minimum: int) -> None:
+    """None (unset) passes; otherwise an int >= minimum."""
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _real(name: str, value, *, low=None, high=None, low_open=False, high_open=False) -> None:
+    """A finite number within [low, high] (or open at either end)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (low is None or (value > low if low_open else value >= low))
+    ok = ok and (high is None or (value < high if high_open else value <= high))
+    if not ok:
+        lo = "" if low is None else f"{'(' if low_open else '['}{low}"
+        hi = "" if high is None else f"{high}{')' if high_open else ']'}"
+        where = f"in {lo}, {hi}" if low is not None and high is not None else (f"> {low}" if low_open else f">= {low}")
+        raise ConfigError(f"{name} must be a finite number {where}, got {value!r}")

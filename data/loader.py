@@ -5,11 +5,14 @@ The pipeline (Grain's dataset API):
     TokenWindows (memory-mapped .bin files, window i = tokens[i·T : i·T + T + 1])
       .shuffle(seed).repeat()        a fresh seeded permutation every epoch
       [process_index::process_count] process p reads global positions p, p+P, p+2P, ...
-      .batch(K · B_local)            K consecutive per-process batches, one train call's worth
+      .batch(B_local)                this process's rows of one global batch: [B_local, T + 1]
       .to_iter_dataset()             checkpointable iterator (Orbax, via grain.checkpoint)
 
 Because every process strides over the *same* global permutation, the rows of global batch b are the same
-set whatever the number of processes: a 2-process run sees the data a 1-process run sees.
+set whatever the number of processes: a 2-process run sees the data a 1-process run sees, and the iterator's
+position (`next_index`, global batches consumed) is the same number in every process. This module owns that
+representation: `rows_consumed` / `seek` read and set it, `restore_position` reads it from a checkpoint
+written by another number of processes.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from data.prepare import META, TOKEN_DTYPE, DataError
+from configs.errors import DataError
+from data.prepare import META, TOKEN_DTYPE
 from data.tokenizer import RANKS_SHA256
 
 
@@ -40,7 +44,8 @@ class Corpus:
 
 
 def open_corpus(directory: str | os.PathLike, *, vocab_size: int, min_tokens: int) -> Corpus:
-    """Checks a prepared corpus against the model: tokenizer, vocabulary, file sizes, enough tokens."""
+    """Checks a prepared corpus against its meta.json and the model: tokenizer, vocabulary, file sizes (a
+    truncated or padded copy is refused), the largest id, enough tokens for one window."""
     directory = Path(directory)
     meta_path = directory / META
     if not directory.is_dir():
@@ -49,8 +54,9 @@ def open_corpus(directory: str | os.PathLike, *, vocab_size: int, min_tokens: in
         raise DataError(f"{meta_path}: missing (prepare the corpus with `python -m data.prepare`)")
     try:
         meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{meta_path}: not valid JSON ({e})") from None
+        assert isinstance(meta, dict)
+    except (ValueError, AssertionError) as e:
+        raise DataError(f"{meta_path}: not a meta.json written by data.prepare ({e})") from None
     if meta.get("tokenizer_sha256") != RANKS_SHA256:
         raise DataError(
             f"{meta_path}: tokenized with {meta.get('tokenizer')!r} (sha256"
@@ -58,24 +64,44 @@ def open_corpus(directory: str | os.PathLike, *, vocab_size: int, min_tokens: in
         )
     if meta.get("vocab_size", 0) > vocab_size:
         raise DataError(f"{meta_path}: vocab_size {meta.get('vocab_size')} exceeds the model's {vocab_size}")
+    max_id = meta.get("max_token_id")  # recorded by data.prepare; absent in hand-made corpora
+    if isinstance(max_id, int) and max_id >= vocab_size:
+        raise DataError(f"{meta_path}: holds token id {max_id}, >= the model's vocabulary of {vocab_size}")
     corpus = Corpus(directory, meta)
     for split in ("train", "val"):
-        files = corpus.files(split)
-        if not files:
-            raise DataError(f"{meta_path}: lists no {split} files")
-        total = 0
-        for f in files:
-            if not f.is_file():
-                raise DataError(f"{f}: missing (listed in {meta_path})")
-            size = f.stat().st_size
-            if size % TOKEN_DTYPE.itemsize:
-                raise DataError(f"{f}: {size} bytes is not a whole number of uint16 tokens (truncated?)")
-            total += size // TOKEN_DTYPE.itemsize
-        if total < min_tokens:
-            raise DataError(
-                f"{directory}: the {split} split has {total} tokens, fewer than one window of {min_tokens}"
-            )
+        _check_split(corpus, split, min_tokens)
     return corpus
+
+
+def _check_split(corpus: Corpus, split: str, min_tokens: int) -> None:
+    meta_path = corpus.directory / META
+    files = corpus.files(split)
+    if not files:
+        raise DataError(f"{meta_path}: lists no {split} files")
+    total = 0
+    for f in files:
+        if not f.is_file():
+            raise DataError(f"{f}: missing (listed in {meta_path})")
+        size = f.stat().st_size
+        if size % TOKEN_DTYPE.itemsize:
+            raise DataError(f"{f}: {size} bytes is not a whole number of uint16 tokens (truncated?)")
+        total += size // TOKEN_DTYPE.itemsize
+    expected = corpus.meta.get(f"{split}_tokens")
+    if isinstance(expected, int) and total != expected:
+        names = files[0].name if len(files) == 1 else f"{len(files)} {split} files"
+        raise DataError(f"{corpus.directory}: {names} hold {total:,} tokens but {META} says {expected:,}"
+                        " (a truncated or altered copy?); copy the corpus again or re-run data.prepare")
+    if total < min_tokens:
+        raise DataError(
+            f"{corpus.directory}: the {split} split has {total} tokens, fewer than one window of {min_tokens}"
+        )
+
+
+def corpus_identity(corpus: Corpus) -> dict:
+    """What a checkpoint records of its corpus, to refuse resuming on another one."""
+    m = corpus.meta
+    return {"train_tokens": m.get("train_tokens"), "train_files": m.get("train_files"),
+            "source": m.get("source")}
 
 
 class TokenWindows(grain.sources.RandomAccessDataSource):
@@ -97,6 +123,7 @@ class TokenWindows(grain.sources.RandomAccessDataSource):
         return int(self._starts[-1])
 
     def __getitem__(self, index: int) -> np.ndarray:  # [T + 1] int32
+        # The range check stays for hand-made corpora (data.prepare records max_token_id, checked at start-up).
         f = int(np.searchsorted(self._starts, index, side="right")) - 1
         if f not in self._maps:
             self._maps[f] = np.memmap(self.files[f], dtype=TOKEN_DTYPE, mode="r")
@@ -105,7 +132,7 @@ class TokenWindows(grain.sources.RandomAccessDataSource):
         if window.max() >= self.vocab_size:
             raise DataError(
                 f"{self.files[f]}: token id {window.max()} at or after offset {start} is >= vocab size"
-                f" {self.vocab_size}"
+                f" {self.vocab_size}; re-prepare the corpus with `python -m data.prepare`"
             )
         return window
 
@@ -122,7 +149,6 @@ class LoaderConfig:
 
     seq_len: int
     batch_size: int  # rows per process per step
-    steps_per_call: int = 1  # K: batches grouped into one [K, B, T + 1] element
     seed: int = 0
     shuffle: bool = True
     num_epochs: int | None = None  # None: repeat forever
@@ -145,8 +171,7 @@ def make_dataset(
     if cfg.num_epochs != 1:
         ds = ds.repeat(cfg.num_epochs)
     ds = ds[shard_index::shard_count]
-    ds = ds.batch(cfg.steps_per_call * cfg.batch_size, drop_remainder=True)
-    ds = ds.map(lambda x: x.reshape(cfg.steps_per_call, cfg.batch_size, cfg.seq_len + 1))
+    ds = ds.batch(cfg.batch_size, drop_remainder=True)  # [B_local, T + 1]
     # One reader thread: reading a window is a memmap slice that holds the GIL, so a second thread only
     # contends for it (measured 7.5 vs 4.7 M tokens/s at T 1024, B 8); worker processes are the way to scale.
     read = grain.ReadOptions(num_threads=1 if cfg.prefetch else 0, prefetch_buffer_size=cfg.prefetch)
@@ -161,5 +186,45 @@ def make_dataset(
 
 
 def to_global(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """This process's rows [K, B_local, T+1] -> one global [K, B, T+1] array sharded over the batch axes."""
+    """This process's rows [..., B_local, T+1] -> one global [..., B, T+1] array sharded over the batch axes."""
     return jax.make_array_from_process_local_data(sharding, local)
+
+
+# ---- the data position ------------------------------------------------------------------------------
+
+
+def rows_consumed(iterator, batch_size: int) -> int:
+    """Rows of the global permutation this run has read: `next_index` counts global batches of `batch_size`."""
+    state = iterator.get_state()
+    if set(state) != {"next_index"}:
+        raise DataError("the data position of a loader with Grain worker processes cannot be regrouped; keep"
+                        " train.batch_size (or set data.num_workers=0)")
+    return state["next_index"] * batch_size
+
+
+def seek(iterator, rows: int, batch_size: int) -> None:
+    """Moves the iterator to `rows` rows of the global permutation (a whole number of batches)."""
+    if rows % batch_size:
+        raise DataError(f"the data position ({rows} rows) is not a whole number of batches of {batch_size};"
+                        f" choose a train.batch_size that divides {rows}")
+    iterator.set_state({"next_index": rows // batch_size})
+
+
+def position_file(data_dir, process_index: int, process_count: int):
+    """Grain's per-process iterator state inside a checkpoint's data item."""
+    return data_dir / f"process_{process_index}-of-{process_count}.json"
+
+
+def restore_position(data_dir, iterator) -> None:
+    """Sets the iterator from a checkpoint written by another number of processes (process 0's state: the
+    position is the same number in every process)."""
+    files = sorted(data_dir.glob("process_0-of-*.json"))
+    if not files:
+        raise DataError(f"{data_dir}: no data-iterator state in this checkpoint")
+    state = json.loads(files[0].read_text())
+    if set(state) != {"next_index"}:
+        raise DataError(
+            f"{files[0]}: the data-iterator state of a run with Grain workers cannot move to another"
+            " process count; resume with the original number of processes"
+        )
+    iterator.set_state(state)

@@ -6,7 +6,7 @@
 from gpt2.config import ConfigError, GPT2Config
 from gpt2.hf import from_hf, to_hf
 from gpt2.model import GPT2
-from gpt2.sharded import create_sharded_model, param_report
+from gpt2.sharded_init import create_sharded_model, param_report
 from gpt2.sharding import ShardingRules, make_mesh
 
 __all__ = [

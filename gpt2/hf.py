@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from gpt2.config import GPT2Config
 from gpt2.model import GPT2
-from gpt2.sharded import _resolve, abstract_model
+from gpt2.sharded_init import _resolve, abstract_model
 from gpt2.sharding import ShardingRules, named_shardings
 
 # Our path -> HF name. Block entries are relative to `h.{i}.` on the HF side.
@@ -43,15 +43,35 @@ BLOCK = {
 }
 
 
+HUB = "hub:"  # `hub:openai-community/gpt2` names a hub model; anything else is a local directory
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint cannot be read; the message names the file."""
+
+
 def config_from_hf(hf: dict, **overrides) -> GPT2Config:
     """Our config from an HF `config.json` dict."""
     if hf.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"not a GPT-2 checkpoint: model_type={hf.get('model_type')!r}")
-    fields = dict(
-        vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
-        n_head=hf["n_head"], n_embd=hf["n_embd"], layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-    )
+        raise HFCheckpointError(f"not a GPT-2 checkpoint: model_type={hf.get('model_type')!r}")
+    try:
+        fields = dict(
+            vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
+            n_head=hf["n_head"], n_embd=hf["n_embd"], layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+        )
+    except KeyError as e:
+        raise HFCheckpointError(f"no {e.args[0]!r} in a GPT-2 config.json") from None
     return GPT2Config(**{**fields, **overrides})
+
+
+def read_hf_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    try:
+        config = json.loads(path.read_text())
+        assert isinstance(config, dict)
+        return config
+    except (OSError, ValueError, AssertionError) as e:
+        raise HFCheckpointError(f"{path}: not a readable Hugging Face config.json ({e})") from None
 
 
 def from_hf(
@@ -66,14 +86,21 @@ def from_hf(
     `config_overrides` set fields HF does not describe (scan_layers, dtype, pad_vocab_to, ...). With a
     mesh, every parameter is placed straight into its sharded layout.
     """
-    directory = _local_dir(path_or_name)
-    config = config_from_hf(json.loads((directory / "config.json").read_text()), **config_overrides)
+    directory = hf_directory(path_or_name)
+    hf_config = read_hf_config(directory)
+    try:
+        config = config_from_hf(hf_config, **config_overrides)
+    except HFCheckpointError as e:
+        raise HFCheckpointError(f"{directory / 'config.json'}: {e}") from None
     tensors = _read_safetensors(directory)
     rules = _resolve(rules)
     graphdef, state = nnx.split(abstract_model(config, rules))
     shardings = dict(nnx.to_flat_state(named_shardings(state, mesh, rules))) if mesh else {}
     for path, var in nnx.to_flat_state(state):
-        value = _gather(tensors, path, var.get_value(), config)
+        try:
+            value = _gather(tensors, path, var.get_value(), config)
+        except (KeyError, ValueError) as e:  # a missing tensor, or one of another shape than config.json says
+            raise HFCheckpointError(f"{directory}: the safetensors do not match config.json ({e})") from None
         if shardings:
             var.set_value(jax.device_put(value, shardings[path].get_value()))
         else:
@@ -101,15 +128,25 @@ def to_hf(model: GPT2, out_dir: str | os.PathLike) -> Path:
 # ---- helpers ---------------------------------------------------------------------------------
 
 
-def _local_dir(path_or_name) -> Path:
-    path = Path(path_or_name)
-    if path.is_dir():
-        return path
-    if path.exists() or str(path_or_name).startswith((".", "/")):
-        raise FileNotFoundError(f"{path}: not a Hugging Face checkpoint directory")
-    from huggingface_hub import snapshot_download  # a hub name such as "gpt2" or "openai-community/gpt2"
+def hf_directory(path_or_name) -> Path:
+    """The local directory of a checkpoint: `hub:NAME` is downloaded (where the network allows), anything else
+    must be a directory holding config.json — so a local folder that happens to share a hub model's name (the
+    `gpt2/` package in this repository) is never mistaken for one, nor the other way round."""
+    text = str(path_or_name)
+    if text.startswith(HUB):
+        from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(str(path_or_name), allow_patterns=["config.json", "*.safetensors"]))
+        try:
+            return Path(snapshot_download(text[len(HUB):], allow_patterns=["config.json", "*.safetensors"]))
+        except Exception as e:  # noqa: BLE001 - offline, unknown repo, ...
+            raise HFCheckpointError(f"{text}: cannot download from the Hugging Face hub ({str(e).splitlines()[0]})"
+                                    ) from None
+    path = Path(path_or_name)
+    if not (path / "config.json").is_file():
+        what = "a directory without config.json" if path.is_dir() else "no such directory"
+        raise HFCheckpointError(f"{path}: {what}; give a Hugging Face checkpoint directory, or {HUB}{text} for the"
+                                " hub model of that name")
+    return path
 
 
 def _read_safetensors(directory: Path) -> dict[str, np.ndarray]:
@@ -117,10 +154,14 @@ def _read_safetensors(directory: Path) -> dict[str, np.ndarray]:
 
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{directory}: no *.safetensors files")
+        raise HFCheckpointError(f"{directory}: no *.safetensors files")
     tensors = {}
     for f in files:
-        for name, array in load_file(f).items():
+        try:
+            loaded = load_file(f)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
+            raise HFCheckpointError(f"{f}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+        for name, array in loaded.items():
             tensors[name.removeprefix("transformer.")] = array  # GPT2LMHeadModel vs GPT2Model naming
     return tensors
 

@@ -17,7 +17,9 @@ from flax import nnx
 
 from gpt2.config import GPT2Config
 
-KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [B, S, H, K]
+# (k, v) of the attention's keys and values: each [B, S, H, K] for one block; GPT2.decode keeps all blocks'
+# caches stacked as [L, B, S, H, K] (the scan over layers hands each block its slice).
+KVCache = tuple[jax.Array, jax.Array]
 
 
 def param_meta(*logical_axes: str | None) -> dict:

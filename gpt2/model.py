@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from gpt2.config import GPT2Config, remat_policy
@@ -52,8 +53,8 @@ class GPT2(nnx.Module):
         dropout_key: jax.Array | None = None,  # None: deterministic (eval); a key: dropout on
     ) -> jax.Array:  # [B, T, V_padded] logits, padded ids at -inf-like
         k_embd, k_blocks = _split(dropout_key)
-        x = self._embed(idx, 0, k_embd)
-        x, _ = self._blocks(x, None, None, k_blocks)
+        x = self._embed(idx, start=0, dropout_key=k_embd)
+        x, _ = self._blocks(x, dropout_key=k_blocks)
         return self._head(x)
 
     def decode(
@@ -62,8 +63,8 @@ class GPT2(nnx.Module):
         cache: KVCache,  # (k, v), each [L, B, S, H, K]
         cache_index: jax.Array,  # scalar: position of idx[:, 0]
     ) -> tuple[jax.Array, KVCache]:  # ([B, T, V_padded], updated cache)
-        x = self._embed(idx, cache_index, None)
-        x, cache = self._blocks(x, cache, cache_index, None)
+        x = self._embed(idx, start=cache_index)
+        x, cache = self._blocks(x, cache=cache, cache_index=cache_index)
         return self._head(x), cache
 
     def init_cache(self, batch_size: int, max_len: int) -> KVCache:
@@ -73,7 +74,7 @@ class GPT2(nnx.Module):
 
     # ---- the three stages of the forward pass ----------------------------------------------
 
-    def _embed(self, idx, start, dropout_key) -> jax.Array:  # [B, T, D]
+    def _embed(self, idx, *, start, dropout_key=None) -> jax.Array:  # [B, T, D]
         # positions start..start+T-1 are a contiguous slice of wpe: no gather needed
         pos = jax.lax.dynamic_slice_in_dim(self.wpe.embedding[...], start, idx.shape[1])  # [T, D]
         # All-gather the table's embed axis (FSDP) before the lookup, as for every other weight: a lookup
@@ -85,8 +86,12 @@ class GPT2(nnx.Module):
         x = self.drop(x, deterministic=dropout_key is None, rngs=dropout_key)
         return self._constrain(x)
 
-    def _blocks(self, x, cache, cache_index, dropout_key):
-        """Runs the L blocks: a lax.scan over stacked parameters, or a Python loop."""
+    def _blocks(self, x, *, cache: KVCache | None = None, cache_index=None, dropout_key=None):
+        """Runs the L blocks: a lax.scan over stacked parameters, or a Python loop.
+
+        Training passes a dropout key (or None) and no cache; decoding passes the [L, B, S, H, K] cache and the
+        position of x[:, 0]. Each block gets its own slice of the cache and its own dropout key.
+        """
         L = self.config.n_layer
         keys = jax.random.split(dropout_key, L) if dropout_key is not None else None
         if self.config.scan_layers:
@@ -126,6 +131,16 @@ class GPT2(nnx.Module):
         if self.rules is None or jax.sharding.get_abstract_mesh().empty:
             return x
         return jax.lax.with_sharding_constraint(x, self.rules.spec(logical))
+
+
+def next_token_loss(model: GPT2, batch: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+    """Mean cross-entropy of predicting batch[:, t + 1] from batch[:, :t + 1]; batch: [B, T + 1] token ids."""
+    x, y = batch[:, :-1], batch[:, 1:]  # [B, T] inputs and next-token targets
+    logits = model(x, dropout_key=dropout_key)  # [B, T, V]
+    with jax.named_scope("loss"):
+        # float32 log-softmax even when the matmuls ran in bfloat16
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
+    return losses.mean()
 
 
 def _stacked_blocks(config: GPT2Config, rngs: nnx.Rngs) -> Block:

@@ -1,38 +1,51 @@
-"""The performance benchmark (issue 6) runs end to end and its figures hang together. Nothing here is timed."""
+"""The performance benchmark: its derived figures on a synthetic result, and a tiny run of the real thing.
+Nothing here is timed."""
 
 import json
-import os
-import subprocess
-import sys
 
-from conftest import ROOT
+import pytest
+
+from benchmarks import train_step as bench
 from gpt2 import GPT2Config
 
+FLOPS_PER_TOKEN = GPT2Config(n_layer=4, n_head=4, n_embd=128, block_size=64).flops_per_token(64)
 
-def test_benchmark_measures_ours_torch_peaks_and_checkpoint_in_one_run(tmp_path):
+
+def synthetic() -> dict:
+    return {
+        "peak_flops_f32": 100e9, "peak_flops_bf16": 150e9, "torch_peak_flops_f32": 200e9,
+        "torch_peak_flops_bf16": 700e9,
+        "ours_k1": {"tokens_per_s": 1000.0, "median_s": 0.768, "min_s": 0.7, "max_s": 0.8, "first_call_s": 5.0},
+        "ours_k16": {"tokens_per_s": 1500.0, "median_s": 8.192, "min_s": 8.0, "max_s": 9.0, "first_call_s": 9.0},
+        "transformers": {"tokens_per_s": 2000.0, "median_s": 0.384, "min_s": 0.3, "max_s": 0.4, "torch_threads": 2},
+        "compile_s": {"scan": 6.0, "loop": 5.0, "gpt2_scan": 4.0, "gpt2_xl_scan": 5.0},
+        "loader_tokens_per_s": 8e6,
+        "checkpoint": {"blocked_s": 0.03, "save_s": 0.25, "blocked_fraction": 0.12},
+    }
+
+
+def test_derived_figures_are_the_ratios_of_the_measurements(capsys):
+    r = bench.derive(synthetic(), FLOPS_PER_TOKEN, [1, 16])
+    assert r["ceiling_tokens_per_s"] == pytest.approx(100e9 / FLOPS_PER_TOKEN)
+    assert r["ours_k16"]["mfu_vs_f32_peak"] == pytest.approx(1500 * FLOPS_PER_TOKEN / 100e9)
+    assert r["transformers"]["mfu_vs_torch_f32_peak"] == pytest.approx(2000 * FLOPS_PER_TOKEN / 200e9)
+    assert r["ratio_ours_k1_vs_transformers"] == pytest.approx(0.5)
+    assert r["ratio_ours_k16_vs_transformers"] == pytest.approx(0.75)
+    assert r["ratio_k16_vs_k1"] == pytest.approx(1.5)
+    assert r["ratio_ceiling_vs_transformers"] == pytest.approx(100e9 / FLOPS_PER_TOKEN / 2000)
+    assert r["compile_s"]["xl_vs_gpt2"] == pytest.approx(1.25)
+    bench.print_table(r)
+    table = capsys.readouterr().out
+    assert "ratio ours k16 vs transformers  0.75x" in table and "blocks 30 ms of 250 ms (12%)" in table
+
+
+def test_the_benchmark_runs_end_to_end_on_a_tiny_budget(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # the whole CPU as one device, as users run it
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.train_step", "--k", "1", "2", "--repeats", "2",
-                           "--skip", "compile", "loader", "--json", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    bench.main(["--k", "1", "2", "--repeats", "1", "--skip", "torch", "compile", "loader", "--json", str(out)])
     r = json.loads(out.read_text())
-    assert "ratio ours k2 vs transformers" in proc.stdout and "ceiling at XLA's float32 peak" in proc.stdout
-
-    model = GPT2Config(n_layer=4, n_head=4, n_embd=128, block_size=64)
-    flops_per_token = model.flops_per_token(64)
-    assert r["keep_freed_memory"] is True
-    for key in ("peak_flops_f32", "peak_flops_bf16", "torch_peak_flops_f32", "torch_peak_flops_bf16"):
-        assert 1e8 < r[key] < 1e14, (key, r[key])  # a real measurement on some CPU, not a default
-    assert abs(r["ceiling_tokens_per_s"] * flops_per_token / r["peak_flops_f32"] - 1) < 1e-9
     for k in (1, 2):
         ours = r[f"ours_k{k}"]
-        assert ours["min_s"] <= ours["median_s"] <= ours["max_s"]
-        assert abs(ours["tokens_per_s"] * ours["median_s"] / (k * 12 * 64) - 1) < 1e-9  # K·B·T tokens a call
-        assert abs(ours["mfu_vs_f32_peak"] - ours["tokens_per_s"] * flops_per_token / r["peak_flops_f32"]) < 1e-9
-        assert ours["first_call_s"] > ours["median_s"]  # the first call compiles and is excluded
-        assert abs(r[f"ratio_ours_k{k}_vs_transformers"] * r["transformers"]["tokens_per_s"]
-                   - ours["tokens_per_s"]) < 1e-6
-    assert abs(r["ratio_k2_vs_k1"] * r["ours_k1"]["tokens_per_s"] - r["ours_k2"]["tokens_per_s"]) < 1e-6
-    c = r["checkpoint"]
-    assert 0 < c["blocked_s"] <= c["save_s"] and abs(c["blocked_fraction"] - c["blocked_s"] / c["save_s"]) < 1e-9
+        assert ours["tokens_per_s"] > 0 and ours["first_call_s"] > 0
+        assert ours["tokens_per_s"] * ours["median_s"] == pytest.approx(k * 12 * 64)  # K·B·T tokens a call
+    assert 0 < r["checkpoint"]["blocked_s"] <= r["checkpoint"]["save_s"]
+    assert "ours, K=2" in capsys.readouterr().out

@@ -6,10 +6,10 @@ import jax
 import pytest
 
 import configs
-from configs.base import Config, TrainConfig
+from configs.base import Config
 from gpt2 import GPT2Config, ShardingRules, make_mesh
-from gpt2.config import ConfigError
-from gpt2.sharded import abstract_model
+from gpt2.config import ConfigError  # the model's; the app's ConfigError subclasses it
+from gpt2.sharded_init import abstract_model
 
 
 @pytest.mark.parametrize(
@@ -88,7 +88,7 @@ def test_every_config_file_loads(name):
     "train, message",
     [
         (dict(seq_len=2048), "train.seq_len=2048 exceeds model.block_size"),
-        (dict(batch_size=0), "train.batch_size must be positive"),
+        (dict(batch_size=0), "train.batch_size must be an integer >= 1"),
         (dict(batch_size=10, grad_accum=4), "train.grad_accum=4 must divide"),
     ],
 )
@@ -102,4 +102,20 @@ def test_flops_per_token_matches_the_standard_formula():
     c = GPT2Config.gpt2()
     n = 124_439_808 - 1024 * 768  # non-embedding params + the tied head (wte) used as a matmul
     assert c.flops_per_token(1024) == 6 * n + 12 * 12 * 768 * 1024
-    assert isinstance(TrainConfig().steps, int)
+
+
+def _numeric_fields():
+    base = configs.load("shakespeare_cpu")
+    for section in ("data", "optim", "train", "mesh", "checkpoint", "distributed"):
+        for f in dataclasses.fields(getattr(base, section)):
+            if f.type in ("int", "float", "int | None", "float | None"):
+                yield section, f.name
+
+
+@pytest.mark.parametrize("section, name", list(_numeric_fields()))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -10**9])
+def test_every_numeric_field_rejects_nan_inf_and_out_of_range_values(section, name, bad):
+    base = configs.load("shakespeare_cpu")
+    changed = dataclasses.replace(getattr(base, section), **{name: bad})
+    with pytest.raises(ConfigError, match=f"{section}.{name} must be"):
+        dataclasses.replace(base, **{section: changed})

@@ -1,20 +1,16 @@
-"""Tokenizer, corpus preparation with `datasets`, and the Grain loader."""
+"""Tokenizer and the Grain loader (corpus preparation: test_prepare.py)."""
 
 import hashlib
 import itertools
 import json
-import lzma
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import ROOT
 from data import tokenizer
 from data.loader import LoaderConfig, TokenWindows, make_dataset, open_corpus
-from data.prepare import DataError, PrepareConfig, prepare
+from configs.errors import DataError
 from data.tokenizer import EOT, RANKS_FILE, RANKS_SHA256, get_tokenizer
 
 SAMPLE = (
@@ -61,98 +57,6 @@ def test_corrupt_rank_file_is_refused(tmp_path, monkeypatch):
         tokenizer.get_tokenizer.cache_clear()
 
 
-# ---- preparation -------------------------------------------------------------------------------
-
-
-def _docs(n=40):
-    rng = np.random.RandomState(0)
-    words = ["thou", "art", "café", "🚀", "the", "king", "'s", "\n", "12", "lord"]
-    return [" ".join(rng.choice(words, size=rng.randint(5, 60))) for _ in range(n)]
-
-
-def _decode_all(directory, meta, split):
-    enc = get_tokenizer()
-    tokens = np.concatenate([np.fromfile(directory / f, dtype="<u2") for f in meta[f"{split}_files"]])
-    return [enc.decode(t.tolist()) for t in np.split(tokens, np.where(tokens == EOT)[0] + 1) if len(t)]
-
-
-@pytest.mark.parametrize("kind", ["jsonl", "txt.xz"])
-def test_prepare_round_trips_local_files(tmp_path, kind):
-    docs = _docs()
-    if kind == "jsonl":
-        src = tmp_path / "docs.jsonl"
-        src.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
-        cfg = PrepareConfig(source=str(src), out_dir=str(tmp_path / "out"), text_field="body", val_fraction=0.1)
-    else:  # one document per file with the text builder's sample_by="document"
-        for i, d in enumerate(docs):
-            with lzma.open(tmp_path / f"doc{i:02d}.txt.xz", "wt") as f:
-                f.write(d)
-        cfg = PrepareConfig(source=str(tmp_path / "doc*.txt.xz"), out_dir=str(tmp_path / "out"),
-                            val_fraction=0.1)
-    out = prepare(cfg, quiet=True)
-    meta = json.loads((out / "meta.json").read_text())
-    train, val = _decode_all(out, meta, "train"), _decode_all(out, meta, "val")
-    assert len(val) == 4 and len(train) == 36
-    assert sorted(d + "<|endoftext|>" for d in docs) == sorted(train + val)
-    assert meta["train_tokens"] == (out / "train.bin").stat().st_size // 2
-    assert meta["tokenizer_sha256"] == RANKS_SHA256 and meta["vocab_size"] == 50257
-
-
-def test_prepare_is_a_no_op_unless_overwrite(tmp_path):
-    src = tmp_path / "d.jsonl"
-    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs()))
-    cfg = PrepareConfig(source=str(src), out_dir=str(tmp_path / "out"), val_fraction=0.1)
-    out = prepare(cfg, quiet=True)
-    before = (out / "train.bin").stat().st_mtime_ns
-    prepare(cfg, quiet=True)
-    assert (out / "train.bin").stat().st_mtime_ns == before
-    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(20)))
-    import dataclasses
-
-    prepare(dataclasses.replace(cfg, overwrite=True), quiet=True)
-    assert json.loads((out / "meta.json").read_text())["train_tokens"] < before  # smaller corpus now
-    assert not list(out.glob(".tmp-*"))
-
-
-def test_prepare_shards_large_splits(tmp_path):
-    src = tmp_path / "d.jsonl"
-    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs()))
-    out = prepare(PrepareConfig(source=str(src), out_dir=str(tmp_path / "o"), val_fraction=0.1,
-                                shard_tokens=300), quiet=True)
-    meta = json.loads((out / "meta.json").read_text())
-    assert len(meta["train_files"]) > 1
-    sizes = [(out / f).stat().st_size // 2 for f in meta["train_files"]]
-    assert all(s == 300 for s in sizes[:-1]) and sum(sizes) == meta["train_tokens"]
-
-
-@pytest.mark.parametrize(
-    "make_source, kwargs, message",
-    [
-        (lambda p: str(p / "missing.jsonl"), {}, "missing.jsonl: no such file or directory"),
-        (lambda p: str(p / "nothing-*.jsonl"), {}, "no files match"),
-        (lambda p: _write(p / "d.jsonl", [{"body": "x"}, {"body": "y"}]), {}, "no text field 'text'; fields are"),
-        (lambda p: _write(p / "d.jsonl", [{"text": ""}, {"text": ""}]), {}, "has no text"),
-    ],
-)
-def test_prepare_errors_name_the_path(tmp_path, make_source, kwargs, message):
-    with pytest.raises(DataError, match=message):
-        prepare(PrepareConfig(source=make_source(tmp_path), out_dir=str(tmp_path / "out"), val_fraction=0.5,
-                              **kwargs), quiet=True)
-    assert not (tmp_path / "out" / "meta.json").exists()
-
-
-def _write(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def test_prepare_cli_one_line_error(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "data.prepare", "--source", str(tmp_path / "nope.txt"),
-                        "--out_dir", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode != 0
-    assert r.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'nope.txt'}: no such file or directory"
-
-
 # ---- loader ------------------------------------------------------------------------------------
 
 
@@ -168,7 +72,7 @@ def test_windows_are_shifted_targets_within_vocab(shakespeare):
     assert len(source) == (len(tokens) - 1) // 32
     np.testing.assert_array_equal(source[5], tokens[160:193])  # inputs = w[:-1], targets = w[1:]
     batch = _batches(files, 1)[0]
-    assert batch.shape == (1, 4, 33) and batch.dtype == np.int32
+    assert batch.shape == (4, 33) and batch.dtype == np.int32
     assert batch.max() < 50257 and batch.min() >= 0
 
 
@@ -179,11 +83,22 @@ def test_same_seed_same_batches_other_seed_other_order(shakespeare):
     assert not all((x == y).all() for x, y in zip(a, c))
 
 
-def test_k_steps_group_consecutive_batches(shakespeare):
+def test_the_data_position_is_rows_consumed_for_any_batch_size(shakespeare):
+    """The position the checkpoint records (rows of the global permutation) moves to another batch size:
+    8 batches of 4 rows read, then seeking a batch-8 iterator to those 32 rows gives the next rows."""
+    from data.loader import rows_consumed, seek
+
     files = open_corpus(shakespeare, vocab_size=50257, min_tokens=33).files("train")
-    single = np.concatenate(_batches(files, 8))  # [8, 4, 33]
-    grouped = np.concatenate(_batches(files, 2, steps_per_call=4))  # 2 × [4, 4, 33]
-    np.testing.assert_array_equal(single, grouped)
+    rows4 = np.concatenate(_batches(files, 12))  # [48, 33]
+    it = iter(make_dataset(files, 50257, LoaderConfig(seq_len=32, batch_size=4, seed=0), shard_index=0, shard_count=1))
+    for _ in range(8):
+        next(it)
+    assert rows_consumed(it, 4) == 32
+    it8 = iter(make_dataset(files, 50257, LoaderConfig(seq_len=32, batch_size=8, seed=0), shard_index=0, shard_count=1))
+    seek(it8, 32, 8)
+    np.testing.assert_array_equal(next(it8), rows4[32:40])
+    with pytest.raises(DataError, match="not a whole number of batches of 8"):
+        seek(it8, 36, 8)
 
 
 @pytest.mark.parametrize("count", [2, 4])
@@ -193,13 +108,13 @@ def test_process_shards_are_disjoint_and_cover_the_epoch(tmp_path, count):
     files = [tmp_path / "t.bin"]
     cfg = LoaderConfig(seq_len=32, batch_size=1, seed=3, num_epochs=1)
     shards = [
-        [int(b[0, 0, 0]) // 32 for b in make_dataset(files, 50257, cfg, shard_index=i, shard_count=count)]
+        [int(b[0, 0]) // 32 for b in make_dataset(files, 50257, cfg, shard_index=i, shard_count=count)]
         for i in range(count)
     ]
     seen = [w for s in shards for w in s]
     assert len(seen) == len(set(seen)) == 20  # disjoint, and together the whole epoch
     # every process strides over one global permutation: interleaving the shards gives it back
-    whole = [int(b[0, 0, 0]) // 32 for b in make_dataset(files, 50257, cfg, shard_index=0, shard_count=1)]
+    whole = [int(b[0, 0]) // 32 for b in make_dataset(files, 50257, cfg, shard_index=0, shard_count=1)]
     assert [shards[i % count][i // count] for i in range(20)] == whole
 
 
@@ -216,7 +131,7 @@ def test_iterator_state_resumes_exactly_through_orbax(shakespeare, tmp_path):
     import orbax.checkpoint as ocp
 
     files = open_corpus(shakespeare, vocab_size=50257, min_tokens=33).files("train")
-    cfg = LoaderConfig(seq_len=32, batch_size=4, seed=7, steps_per_call=2)
+    cfg = LoaderConfig(seq_len=32, batch_size=4, seed=7)
     uninterrupted = list(itertools.islice(make_dataset(files, 50257, cfg, shard_index=0, shard_count=1), 8))
     it = iter(make_dataset(files, 50257, cfg, shard_index=0, shard_count=1))
     for _ in range(5):

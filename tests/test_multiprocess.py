@@ -9,12 +9,15 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, SMALL, read_jsonl, run_cli
+import train as train_app
+from conftest import ROOT, SMALL, read_jsonl, run_main
 from tools.launch import free_port
 
-# decay_steps fixed so that runs of any --train.steps share one learning-rate schedule
+pytestmark = pytest.mark.slow
+
+# The default end-of-run sample is on (it runs on every process: the parameters span them all).
 COMMON = [*SMALL, "--train.steps=8", "--train.eval_every=4", "--checkpoint.every=4", "--mesh.fsdp=2",
-          "--optim.decay_steps=400"]
+          "--train.sample_tokens=12"]
 
 
 def launch(run_dir, shakespeare, *extra, num_processes=2, devices=4, timeout=600):
@@ -36,12 +39,20 @@ def two_process_run(tmp_path_factory, shakespeare):
     return run_dir, r
 
 
+def sample_of(output: str) -> str:
+    text = output.replace("[p0] ", "")
+    return text[text.index("--- sample ---"):text.index("--------------")]
+
+
 def test_two_processes_equal_one(two_process_run, shakespeare, tmp_path):
     run_dir, result = two_process_run
-    single = run_cli("train.py", "--run_dir", str(tmp_path), f"--data.cache_dir={shakespeare}", *COMMON)
-    assert single.returncode == 0, single.stderr[-3000:]
+    code, out, err = run_main(train_app.main, "--run_dir", str(tmp_path), f"--data.cache_dir={shakespeare}", *COMMON)
+    assert code == 0, err[-3000:]
     np.testing.assert_allclose(losses(run_dir), losses(tmp_path), rtol=0, atol=1e-5)
     assert len(losses(run_dir)) == 8
+    # the default end-of-run sample: the same text from 2 processes as from 1, printed once
+    assert sample_of(result.stdout) == sample_of(out) and "ROMEO:" in sample_of(out)
+    assert result.stdout.count("--- sample ---") == 1
     # only process 0 reports: one parameter report, one set of metrics
     assert result.stdout.count("[p0] step 4: val_loss") == 1 and "[p1] step 4: val_loss" not in result.stdout
     assert "[p1] wte.embedding" not in result.stdout and "[p0] wte.embedding" in result.stdout
@@ -54,17 +65,17 @@ def test_two_process_checkpoint_resumes_in_one_process_on_another_mesh(two_proce
     reference, _ = two_process_run
     first = launch(tmp_path, shakespeare, "--train.stop_after=4")
     assert first.returncode == 0, first.stdout[-3000:]
-    resumed = run_cli("train.py", "--run_dir", str(tmp_path), f"--data.cache_dir={shakespeare}", *COMMON,
-                      "--mesh.fsdp=1", "--mesh.rules=dp")  # data 8: another mesh, replicated params
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout
+    code, out, err = run_main(train_app.main, "--run_dir", str(tmp_path), f"--data.cache_dir={shakespeare}", *COMMON,
+                              "--mesh.fsdp=1", "--mesh.rules=dp")  # data 8: another mesh, replicated params
+    assert code == 0, err[-3000:]
+    assert "resumed from" in out
     np.testing.assert_allclose(losses(tmp_path), losses(reference), rtol=0, atol=1e-5)
 
 
 def test_sigterm_saves_everywhere_at_one_step_and_resumes(two_process_run, shakespeare, tmp_path):
     cmd = [sys.executable, "-m", "tools.launch", "--num_processes", "2", "--devices_per_process", "4", "--",
            sys.executable, "train.py", "--run_dir", str(tmp_path), f"--data.cache_dir={shakespeare}", *COMMON,
-           "--train.steps=400", "--checkpoint.every=1000", "--train.eval_every=0"]
+           "--train.steps=400", "--checkpoint.every=1000", "--train.eval_every=0", "--train.sample_tokens=0"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 300
@@ -79,11 +90,19 @@ def test_sigterm_saves_everywhere_at_one_step_and_resumes(two_process_run, shake
     assert len(steps) == 1 and 4 <= steps[0] < 400
     data = sorted(p.name for p in (tmp_path / "checkpoints" / str(steps[0]) / "data").glob("process_*"))
     assert data == ["process_0-of-2.json", "process_1-of-2.json"]
-    # the restart continues from that step with the same losses as the uninterrupted 8-step run
-    if steps[0] < 8:
-        resumed = launch(tmp_path, shakespeare)
-        assert resumed.returncode == 0, resumed.stdout[-3000:]
-        np.testing.assert_allclose(losses(tmp_path), losses(two_process_run[0]), rtol=0, atol=1e-5)
+    # the restart continues from that step with the losses of an uninterrupted run of as many steps (the
+    # 8-step 2-process run, or, when the signal landed later, a 1-process run in-process)
+    total = max(8, steps[0] + 2)
+    resumed = launch(tmp_path, shakespeare, f"--train.steps={total}")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    if total == 8:
+        expected = losses(two_process_run[0])
+    else:
+        code, _, err = run_main(train_app.main, "--run_dir", str(tmp_path / "ref"), f"--data.cache_dir={shakespeare}",
+                                *COMMON, f"--train.steps={total}", "--train.eval_every=0")
+        assert code == 0, err[-3000:]
+        expected = losses(tmp_path / "ref")
+    np.testing.assert_allclose(losses(tmp_path), expected, rtol=0, atol=1e-5)
 
 
 def test_a_dead_process_makes_the_others_fail_in_bounded_time(shakespeare, tmp_path):
@@ -94,7 +113,7 @@ def test_a_dead_process_makes_the_others_fail_in_bounded_time(shakespeare, tmp_p
                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid)}
         procs.append(subprocess.Popen(
             [sys.executable, "train.py", "--run_dir", str(tmp_path), f"--data.cache_dir={shakespeare}", *COMMON,
-             "--train.steps=400", "--train.eval_every=0", "--checkpoint.every=1000",
+             "--train.steps=400", "--train.eval_every=0", "--checkpoint.every=1000", "--train.sample_tokens=0",
              "--distributed.heartbeat_timeout_seconds=10"],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     metrics = tmp_path / "metrics.jsonl"

@@ -10,13 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from configs.base import Config
-from gpt2.config import ConfigError
+from configs.errors import ConfigError
 from trainer.metrics import PEAK_FLOPS
 from trainer.setup import build_mesh
-from trainer.step import Trainer
+from trainer.trainer import Trainer
 
 # HBM per chip in bytes and the devices per host of each generation (Cloud TPU documentation).
 CHIPS = {
@@ -106,10 +105,8 @@ def compile_for_topology(cfg: Config, topology: str) -> AotReport:
     mesh = build_mesh(cfg, devices=devices)
     trainer = Trainer.build(cfg, mesh)
     t = cfg.train
-    batch = jax.ShapeDtypeStruct((t.steps_per_call, t.batch_size, t.seq_len + 1), jnp.int32,
-                                 sharding=trainer.batch_sharding)
     with jax.set_mesh(mesh):
-        lowered = trainer.train_call().lower(trainer.abstract_state(), batch)
+        lowered = trainer.lower()
         try:
             compiled = lowered.compile()
         except jax.errors.JaxRuntimeError as e:

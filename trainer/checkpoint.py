@@ -1,35 +1,43 @@
-"""Orbax checkpoints of a run: train state, data-iterator state, and metadata (config, wandb id).
+"""Orbax checkpoints of a run: train state, data-iterator state, and metadata (config, wandb run, data
+position, corpus identity).
 
-Orbax writes each step into a temporary directory and renames it when complete, so `latest_step()` only
-ever sees whole checkpoints; a run killed mid-save restarts from the previous one.
+Orbax writes each step into a temporary directory and renames it when complete, so `all_steps()` only ever
+sees whole checkpoints; a run killed mid-save restarts from the previous one. A checkpoint that is complete
+but damaged afterwards (a truncated or deleted file, garbled metadata, a foreign directory) is moved aside
+by `restore_latest`, which then falls back to the newest one that restores.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
-from typing import Any
+import datetime
+import os
+from typing import Any, Callable
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from configs.base import CheckpointConfig, Config
-from gpt2.config import ConfigError
+from configs.errors import CheckpointError, ConfigError, DataError
+from data.loader import position_file, restore_position, rows_consumed, seek
+from trainer.run_dir import warn
 
 STATE, DATA, META = "state", "data", "meta"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used for this run; the message says why."""
+DAMAGED = "checkpoints.damaged"  # beside checkpoints/: where unreadable checkpoints are moved, never deleted
 
 
 class Checkpoints:
     """The run's `checkpoints/` directory."""
 
-    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, *, read_only: bool = False):
-        self.directory = Path(run_dir).absolute() / "checkpoints"
+    def __init__(self, run_dir: str | os.PathLike, cfg: CheckpointConfig, *, read_only: bool = False):
+        run_dir = epath.Path(run_dir)
+        if "://" not in str(run_dir):
+            run_dir = epath.Path(os.path.abspath(run_dir))  # Orbax wants absolute paths
+        self.run_dir = run_dir
+        self.directory = run_dir / "checkpoints"
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep,
             keep_period=cfg.keep_every,
@@ -39,38 +47,78 @@ class Checkpoints:
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, DATA, META))
 
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
-
     def all_steps(self) -> list[int]:
+        """The complete checkpoints on disk now (another process may be adding and rotating them)."""
+        self.manager.reload()
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state: Any, iterator, meta: dict, *, force: bool = False) -> bool:
+    def path(self, step: int) -> epath.Path:
+        return self.directory / str(step)
+
+    def save(self, step: int, state: Any, iterator, meta: dict) -> None:
         args = {STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}
         if iterator is not None:
             args[DATA] = grain.checkpoint.CheckpointSave(iterator)
-        return self.manager.save(step, args=ocp.args.Composite(**args), force=force)
+        self.manager.save(step, args=ocp.args.Composite(**args), force=True)
 
     def read_meta(self, step: int) -> dict:
-        return self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+        """The checkpoint's metadata, or a CheckpointError naming it and the reason."""
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+        except Exception as e:  # noqa: BLE001 - Orbax reports a damaged item with many exception types
+            self._raise_if_gone(step)
+            raise CheckpointError(f"{self.path(step)}: unreadable metadata ({_reason(e)})") from None
+        if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+            raise CheckpointError(f"{self.path(step)}: metadata holds no config")
+        return meta
 
     def restore(self, step: int, abstract_state: Any, iterator=None) -> Any:
-        """Restores the state (onto the shardings in `abstract_state`) and, if given, the iterator in place.
-
-        The state restores onto any mesh and device count (Orbax reshards). The iterator restores through
-        Grain's handler when the process count is unchanged, and otherwise from process 0's file: our
-        loader's position (`next_index`, in K×B-row groups of one global permutation) is the same number
-        in every process and for any process count.
-        """
+        """The state (onto the shardings in `abstract_state`: any mesh and device count) and, if given, the
+        iterator in place: through Grain's handler when the process count is unchanged, otherwise from
+        process 0's position, which is the same number for every process count."""
         args = {STATE: ocp.args.StandardRestore(abstract_state)}
-        data_dir = self.directory / str(step) / DATA
-        own_file = data_dir / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        data_dir = self.path(step) / DATA
+        own_file = position_file(data_dir, jax.process_index(), jax.process_count())
         if iterator is not None and own_file.exists():
             args[DATA] = grain.checkpoint.CheckpointRestore(iterator)
         state = self.manager.restore(step, args=ocp.args.Composite(**args))[STATE]
         if iterator is not None and not own_file.exists():
-            _restore_other_process_count(data_dir, iterator)
+            restore_position(data_dir, iterator)
         return state
+
+    def restore_latest(self, attempt: Callable[[int, dict], Any]) -> tuple[int, dict, Any] | None:
+        """(step, meta, attempt(step, meta)) for the newest checkpoint that restores, or None when there is none.
+
+        A checkpoint that fails to restore for a reason in the checkpoint itself is reported in one line,
+        moved aside to `checkpoints.damaged/` and the next older one is tried. A refusal of the checkpoint
+        by this run's config (another model shape, another corpus) is not damage: it propagates.
+        """
+        for step in reversed(self.all_steps()):
+            try:
+                meta = self.read_meta(step)
+                result = attempt(step, meta)
+                failure = None
+            except (ConfigError, CheckpointMismatch):
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure to read a file of this checkpoint
+                failure = e if isinstance(e, CheckpointError) else CheckpointError(
+                    f"{self.path(step)}: cannot be restored ({_reason(e)})")
+            if not _everywhere_ok(failure is None):
+                self.move_aside(step, failure or CheckpointError(f"{self.path(step)}: another process failed"))
+                continue
+            return step, meta, result
+        return None
+
+    def move_aside(self, step: int, failure: Exception) -> None:
+        """Moves a damaged checkpoint out of Orbax's sight (never deletes it) and says so in one line."""
+        if jax.process_index() == 0:
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            target = self.run_dir / DAMAGED / f"{step}-{stamp}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.path(step).rename(target)
+            warn(f"{str(failure).rstrip('.')}; moved it to {target} and trying the previous checkpoint")
+        _barrier(f"move-aside-{step}")
+        self.manager.reload()
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """Only the parameters of a saved train state: evaluation reads neither the optimizer moments
@@ -78,8 +126,17 @@ class Checkpoints:
         target = {"params": abstract_params}
         args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                       partial_restore=True)
-        with ocp.PyTreeCheckpointer() as checkpointer:
-            return checkpointer.restore(self.directory / str(step) / STATE, args=args)["params"]
+        try:
+            with ocp.PyTreeCheckpointer() as checkpointer:
+                return checkpointer.restore(self.path(step) / STATE, args=args)["params"]
+        except Exception as e:  # noqa: BLE001
+            self._raise_if_gone(step)
+            raise CheckpointError(f"{self.path(step)}: cannot be restored ({_reason(e)})") from None
+
+    def _raise_if_gone(self, step: int) -> None:
+        if not self.path(step).exists():
+            raise CheckpointGone(f"{self.path(step)}: removed while evaluating (a training run rotating its"
+                                 " checkpoints?)") from None
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -88,20 +145,38 @@ class Checkpoints:
         self.manager.close()
 
 
-def _restore_other_process_count(data_dir: Path, iterator) -> None:
-    files = sorted(data_dir.glob("process_0-of-*.json"))
-    if not files:
-        raise CheckpointError(f"{data_dir}: no data-iterator state in this checkpoint")
-    state = json.loads(files[0].read_text())
-    if set(state) != {"next_index"}:
-        raise CheckpointError(
-            f"{files[0]}: the data-iterator state of a run with Grain workers cannot move to another"
-            " process count; resume with the original number of processes"
-        )
-    iterator.set_state(state)
+class CheckpointGone(CheckpointError):
+    """The checkpoint was deleted (a running trainer keeps only the newest few)."""
 
 
-def check_compatible(saved: dict, config: Config, where: Path) -> None:
+class CheckpointMismatch(CheckpointError):
+    """The checkpoint is intact but does not fit this run's config (model shape, data order, corpus)."""
+
+
+def _reason(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def _everywhere_ok(ok: bool) -> bool:
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+# ---- what a checkpoint must agree on with the run resuming it ---------------------------------------
+
+
+def check_compatible(saved: dict, config: Config, where) -> None:
     """Refuses a checkpoint whose model differs from the configured one, naming the differing fields."""
     saved_model = saved.get("config", {}).get("model", {})
     current = dataclasses.asdict(config.model)
@@ -113,56 +188,65 @@ def check_compatible(saved: dict, config: Config, where: Path) -> None:
         diffs.append(f"model.scan_layers: checkpoint {saved_model['scan_layers']!r} vs config"
                      f" {current['scan_layers']!r} (parameter layouts differ)")
     if diffs:
-        raise CheckpointError(f"{where}: checkpoint does not fit this model: " + "; ".join(diffs))
+        raise CheckpointMismatch(f"{where}: checkpoint does not fit this model: " + "; ".join(diffs))
 
 
-def check_same_data(saved: dict, config: Config, where: Path) -> None:
-    """Refuses to resume on another permutation: a new window length or shuffle seed reads other data."""
+def check_same_data(saved: dict, config: Config, corpus: dict, where) -> None:
+    """Refuses to resume on other data: another corpus, window length or shuffle seed reads other rows."""
     train, data = saved.get("config", {}).get("train", {}), saved.get("config", {}).get("data", {})
     for key, old, new in (("train.seq_len", train.get("seq_len"), config.train.seq_len),
                           ("data.seed", data.get("seed"), config.data.seed)):
         if old != new:
-            raise CheckpointError(f"{where}: checkpoint was trained with {key}={old!r}, this run has {new!r},"
-                                  " which reads other data; keep the value or start a new --run_dir")
+            raise CheckpointMismatch(f"{where}: checkpoint was trained with {key}={old!r}, this run has {new!r},"
+                                     " which reads other data; keep the value or start a new --run_dir")
+    if "corpus" in saved and saved["corpus"] != corpus:
+        raise CheckpointMismatch(
+            f"{where}: checkpoint was trained on another corpus (data.dataset={data.get('dataset')!r}, now"
+            f" {config.data.dataset!r}); its data position means nothing there: resume on the same corpus, or"
+            " start a new --run_dir")
 
 
-def realign_data(saved: dict, config: Config, iterator, where: Path) -> None:
-    """Carries the restored data position over when a resumed run groups its rows differently.
-
-    The iterator counts elements of K×B rows of one seeded global permutation of windows. A new K
-    (`train.steps_per_call`) or B (`train.batch_size`) keeps the rows already consumed: the position is
-    converted (`check_same_data` has made sure the permutation is the same).
-    """
-    train = saved.get("config", {}).get("train", {})
-    if not isinstance(train.get("steps_per_call"), int) or not isinstance(train.get("batch_size"), int):
-        raise CheckpointError(f"{where}: checkpoint metadata lacks train.steps_per_call / train.batch_size, so its"
-                              " data position cannot be read; start a new --run_dir")
-    old_rows = train["steps_per_call"] * train["batch_size"]
-    new_rows = config.train.steps_per_call * config.train.batch_size
-    if old_rows == new_rows:
+def check_same_schedule(saved: dict, config: Config, where) -> None:
+    """Refuses a resume that would change the learning-rate schedule, unless train.reschedule is set."""
+    if config.train.reschedule:
         return
-    state = iterator.get_state()
-    if set(state) != {"next_index"}:
-        raise CheckpointError(f"{where}: cannot regroup the data position of a run with Grain workers; keep"
-                              f" train.steps_per_call × train.batch_size = {old_rows}")
-    consumed = state["next_index"] * old_rows
-    if consumed % new_rows:
-        raise CheckpointError(
-            f"{where}: the checkpoint consumed {consumed} rows, not a whole number of steps_per_call ×"
-            f" batch_size = {new_rows}; choose values whose product divides {consumed}"
-        )
-    iterator.set_state({"next_index": consumed // new_rows})
+    old = saved.get("config", {})
+    o, t = old.get("optim", {}), old.get("train", {})
+    if not o or "steps" not in t:
+        return
+    before = {"optim.lr": o.get("lr"), "optim.min_lr_ratio": o.get("min_lr_ratio"),
+              "optim.warmup_steps": o.get("warmup_steps"), "decay": o.get("decay_steps") or t.get("steps")}
+    c = config.optim
+    now = {"optim.lr": c.lr, "optim.min_lr_ratio": c.min_lr_ratio, "optim.warmup_steps": c.warmup_steps,
+           "decay": c.decay_steps or config.train.steps}
+    changed = [k for k in before if before[k] != now[k]]
+    if changed:
+        name = {"decay": "optim.decay_steps (train.steps when unset)"}
+        fields = "; ".join(f"{name.get(k, k)}: {before[k]} -> {now[k]}" for k in changed)
+        keep = (f"keep the old values (to extend a run on its old schedule: --optim.decay_steps={before['decay']})"
+                if "decay" in changed else "keep the old values")
+        raise CheckpointMismatch(f"{where}: resuming would change the learning-rate schedule ({fields}); {keep},"
+                                 " or pass --train.reschedule=True to accept the change")
 
 
-def config_from_meta(meta: dict) -> Config:
-    """Rebuilds the run's Config from a checkpoint's metadata."""
-    from configs import from_dict
+def realign_data(saved: dict, config: Config, iterator, where) -> None:
+    """Carries the restored data position over to this run's batch size (rows consumed are kept).
 
+    Checkpoints record the rows of the global permutation they consumed (`data_rows`); older ones counted
+    elements of steps_per_call × batch_size rows.
+    """
+    batch = config.train.batch_size
+    train = saved.get("config", {}).get("train", {})
     try:
-        return from_dict(meta["config"])
-    except (KeyError, TypeError, ConfigError) as e:
-        raise CheckpointError(f"checkpoint metadata holds no usable config ({e})") from None
-
-
-def to_json(config: Config) -> str:
-    return json.dumps(dataclasses.asdict(config), indent=2)
+        if "data_rows" in saved:
+            if train.get("batch_size") == batch:
+                return  # the restored iterator is already there
+            rows = saved["data_rows"]
+        else:
+            if not isinstance(train.get("steps_per_call"), int) or not isinstance(train.get("batch_size"), int):
+                raise CheckpointError(f"{where}: checkpoint metadata lacks train.steps_per_call /"
+                                      " train.batch_size, so its data position cannot be read; start a new --run_dir")
+            rows = rows_consumed(iterator, train["steps_per_call"] * train["batch_size"])
+        seek(iterator, rows, batch)
+    except DataError as e:
+        raise CheckpointMismatch(f"{where}: {e}") from None

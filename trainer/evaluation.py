@@ -1,28 +1,59 @@
-"""Validation loss and text samples: the one implementation train.py and eval.py both call."""
+"""Evaluation: validation loss with one jitted call built once per run, and text samples.
+
+train.py (its periodic evaluations) and eval.py (every checkpoint of a run, or HF weights) both use an
+`Evaluator`: the model's structure, the mesh and rules, the parameters' shardings, and the compiled loss. It
+holds no optimizer, and `eval.py --all` reuses its executable for every checkpoint.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Callable, Iterable
 
 import jax
 import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from data.loader import to_global
-from gpt2.model import GPT2
-from gpt2.sharding import batch_sharding
-from trainer.step import Trainer
+from gpt2.config import GPT2Config
+from gpt2.model import GPT2, next_token_loss
+from gpt2.sharded_init import abstract_model
+from gpt2.sharding import ShardingRules, batch_sharding, named_shardings
 
 
-def mean_loss(trainer: Trainer, eval_call: Callable, params, batches: Iterable[np.ndarray],
-              limit: int | None) -> tuple[float, int]:
-    """Mean next-token loss over the first `limit` batches ([1, B_local, T+1] each; all when None), and how
-    many batches that was (0: the loss is nan). `eval_call` is `trainer.eval_call()`, built once per run."""
-    rows = batch_sharding(trainer.mesh, trainer.rules, ndim=2)
-    losses = [eval_call(params, to_global(local[0], rows)) for local in itertools.islice(batches, limit)]
-    if not losses:
-        return float("nan"), 0
-    return float(np.mean(jax.device_get(losses))), len(losses)
+@dataclasses.dataclass(frozen=True)
+class Evaluator:
+    model_config: GPT2Config
+    mesh: Mesh
+    rules: ShardingRules
+    graphdef: nnx.GraphDef
+    param_shardings: nnx.State  # a NamedSharding per parameter
+    abstract_params: nnx.State  # ShapeDtypeStructs with those shardings: the restore target
+    batch_sharding: NamedSharding  # of a [B, T + 1] batch
+    loss_call: Callable  # jit(params, batch [B, T+1]) -> mean next-token loss
+
+    @classmethod
+    def build(cls, model_config: GPT2Config, mesh: Mesh, rules: ShardingRules) -> "Evaluator":
+        graphdef, params = nnx.split(abstract_model(model_config, rules), nnx.Param)
+        shardings = named_shardings(params, mesh, rules)
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
+        batch = batch_sharding(mesh, rules, ndim=2)
+        loss = jax.jit(lambda p, b: next_token_loss(nnx.merge(graphdef, p), b), in_shardings=(shardings, batch))
+        return cls(model_config, mesh, rules, graphdef, shardings, abstract, batch, loss)
+
+    def model(self, params: nnx.State) -> GPT2:
+        return nnx.merge(self.graphdef, params)
+
+    def mean_loss(self, params, batches: Iterable[np.ndarray], limit: int | None) -> tuple[float, int]:
+        """Mean next-token loss over the first `limit` batches ([B_local, T+1] each; all when None) and how
+        many batches that was (0: the loss is nan)."""
+        losses = [self.loss_call(params, to_global(local, self.batch_sharding))
+                  for local in itertools.islice(batches, limit)]
+        if not losses:
+            return float("nan"), 0
+        return float(np.mean(jax.device_get(losses))), len(losses)
 
 
 def encode_prompt(prompt: str) -> list[int]:
@@ -35,10 +66,17 @@ def encode_prompt(prompt: str) -> list[int]:
 
 def sample(model: GPT2, prompt: list[int], new_tokens: int, *, seed: int, temperature: float,
            top_k: int | None) -> str:
-    """The prompt and a sampled continuation of `new_tokens` tokens, decoded."""
+    """The prompt and a sampled continuation of `new_tokens` tokens, decoded.
+
+    Every process must call it (the parameters may span all of them); the text is the same everywhere.
+    """
     from data.tokenizer import get_tokenizer
     from gpt2.generate import generate
 
     tokens = generate(model, np.asarray([prompt]), new_tokens, key=jax.random.PRNGKey(seed),
                       temperature=temperature, top_k=top_k)
+    if jax.process_count() > 1:  # the output may be laid out over every process's devices
+        from jax.experimental import multihost_utils
+
+        tokens = multihost_utils.process_allgather(tokens, tiled=True)
     return get_tokenizer().decode(np.asarray(tokens[0]).tolist())

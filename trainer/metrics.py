@@ -6,12 +6,12 @@ import dataclasses
 import json
 import os
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 
 from configs.base import Config
+from trainer.run_dir import RunDir, storage_errors
 
 # Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets.
 PEAK_FLOPS = {
@@ -47,10 +47,28 @@ def measure_matmul_peak(n: int = 2048, dtype=np.float32, repeats: int = 5) -> fl
     return 2 * n**3 / best
 
 
+def resolve_wandb_mode(requested: str) -> str:
+    """The one decision of the wandb mode: "auto" is online with credentials (WANDB_API_KEY or a netrc
+    entry), offline otherwise. A run records the mode it resolved to, and eval.py logs in that mode."""
+    if requested != "auto":
+        return requested
+    return "online" if os.environ.get("WANDB_API_KEY") or _netrc_has_wandb() else "offline"
+
+
+def init_wandb(run_dir: RunDir, mode: str, *, project: str, name: str, run_id: str | None, config=None):
+    """The run's wandb run (resumed when `run_id` is given), files under run_dir/wandb; None when disabled."""
+    if mode == "disabled":
+        return None
+    import wandb
+
+    return wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(run_dir.path), mode=mode,
+                      config=config)
+
+
 class MetricsLogger:
     """Writes per-step and per-eval records. A no-op on every process but 0."""
 
-    def __init__(self, config: Config, run_dir: Path, *, wandb_id: str | None, start_step: int):
+    def __init__(self, config: Config, run_dir: RunDir, *, wandb_id: str | None, wandb_mode: str, start_step: int):
         self.active = jax.process_index() == 0
         self.run_dir = run_dir
         self.history: list[dict] = []
@@ -58,34 +76,19 @@ class MetricsLogger:
         self.wandb_id = wandb_id
         if not self.active:
             return
-        path = run_dir / "metrics.jsonl"
-        if path.exists():  # resuming: keep records up to the restored step, drop the lost tail
-            self.history = [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] <= start_step]
-            path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
-        self.file = path.open("a")
-        self._init_wandb(config)
-
-    def _init_wandb(self, config: Config) -> None:
-        mode = config.log.wandb
-        if mode == "disabled":
-            return
-        import wandb
-
-        if mode == "auto":
-            mode = "online" if os.environ.get("WANDB_API_KEY") or _netrc_has_wandb() else "offline"
-        self.wandb = wandb.init(
-            project=config.log.project, name=config.log.run_name or self.run_dir.name,
-            id=self.wandb_id, resume="allow", dir=str(self.run_dir), mode=mode,
-            config=dataclasses.asdict(config),
-        )
-        self.wandb_id = self.wandb.id
+        self.history, self.file = run_dir.open_metrics(start_step)
+        self.wandb = init_wandb(run_dir, wandb_mode, project=config.log.project,
+                                name=config.log.run_name or run_dir.path.name, run_id=wandb_id,
+                                config=dataclasses.asdict(config))
+        self.wandb_id = self.wandb.id if self.wandb is not None else wandb_id
 
     def log(self, record: dict) -> None:
         if not self.active:
             return
         self.history.append(record)
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        with storage_errors("write", self.run_dir / "metrics.jsonl"):
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
@@ -105,19 +108,20 @@ class MetricsLogger:
             ax.plot(*zip(*train), lw=0.8, label="train")
         if val:
             ax.plot(*zip(*val), "o-", label="val")
-        ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=self.run_dir.name)
+        ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=self.run_dir.path.name)
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        tmp = self.run_dir / ".loss.png.tmp"
-        fig.savefig(tmp, format="png", dpi=100)
-        plt.close(fig)
-        os.replace(tmp, self.run_dir / "loss.png")
+        try:
+            self.run_dir.save_png(fig)
+        finally:
+            plt.close(fig)
 
     def close(self) -> None:
         if not self.active:
             return
-        self.file.close()
+        with storage_errors("write", self.run_dir / "metrics.jsonl"):
+            self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
 

@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from pathlib import Path
+from typing import Iterator
 
 import jax
 from jax.sharding import Mesh
 
-from configs.base import Config
+from configs.base import Config, DataConfig, DistributedConfig, MeshConfig
 from data.loader import Corpus, LoaderConfig, make_dataset, open_corpus
 from data.prepare import prepare_shakespeare
-from gpt2.config import ConfigError
+from configs.errors import ConfigError
 from gpt2.sharding import make_mesh
 
 EMBEDDED = "shakespeare"
 
 
-def initialize_distributed(cfg: Config) -> None:
+def initialize_distributed(d: DistributedConfig) -> None:
     """Joins the multi-process job when there is one: explicit settings, JAX_* variables, or a TPU VM."""
-    d = cfg.distributed
     address = d.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
     if address is not None:
         num = d.num_processes if d.num_processes is not None else int(os.environ["JAX_NUM_PROCESSES"])
@@ -48,53 +49,90 @@ def _has_libtpu() -> bool:
 
 def build_mesh(cfg: Config, devices=None) -> Mesh:
     """The configured mesh, checked against the devices and the global batch."""
-    m = cfg.mesh
+    m, t = cfg.mesh, cfg.train
+    return checked_mesh(m, t.batch_size // t.grad_accum, devices=devices,
+                        batch_flag=f"train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum}")
+
+
+def checked_mesh(m: MeshConfig, rows: int, *, batch_flag: str, devices=None) -> Mesh:
+    """A mesh whose data-parallel size divides `rows` (one micro-batch), as does the process count."""
     mesh = make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    t = cfg.train
-    micro = t.batch_size // t.grad_accum
-    if micro % batch_shards:
-        raise ConfigError(
-            f"train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} = {micro} rows per micro-batch"
-            f" is not divisible by the data-parallel size mesh.data×mesh.fsdp = {batch_shards}"
-        )
-    if t.batch_size % jax.process_count():
-        raise ConfigError(
-            f"train.batch_size={t.batch_size} is not divisible by the {jax.process_count()} processes"
-        )
+    if rows % batch_shards:
+        raise ConfigError(f"{batch_flag} = {rows} rows per batch is not divisible by the data-parallel size"
+                          f" mesh.data×mesh.fsdp = {batch_shards}")
+    if rows % jax.process_count():
+        raise ConfigError(f"{batch_flag} = {rows} rows is not divisible by the {jax.process_count()} processes")
     return mesh
 
 
-def resolve_corpus(cfg: Config, *, prepare: bool = True) -> Corpus:
+def resolve_corpus(data: DataConfig, *, vocab_size: int, seq_len: int, prepare: bool = True) -> Corpus:
     """The configured corpus, validated; the embedded one is tokenized on first use."""
-    dataset = cfg.data.dataset
-    if dataset == EMBEDDED:
-        directory = Path(cfg.data.cache_dir).expanduser()
+    if data.dataset == EMBEDDED:
+        directory = Path(data.cache_dir).expanduser()
         if prepare and jax.process_index() == 0:
             prepare_shakespeare(directory, quiet=(directory / "meta.json").exists())
         _barrier("corpus")
     else:
-        directory = Path(dataset).expanduser()
-    return open_corpus(directory, vocab_size=cfg.model.vocab_size, min_tokens=cfg.train.seq_len + 1)
+        directory = Path(data.dataset).expanduser()
+    return open_corpus(directory, vocab_size=vocab_size, min_tokens=seq_len + 1)
 
 
 def train_loader_config(cfg: Config) -> LoaderConfig:
     t = cfg.train
     return LoaderConfig(
-        seq_len=t.seq_len, batch_size=t.batch_size // jax.process_count(),
-        steps_per_call=t.steps_per_call, seed=cfg.data.seed, num_workers=cfg.data.num_workers,
-        prefetch=cfg.data.prefetch,
+        seq_len=t.seq_len, batch_size=t.batch_size // jax.process_count(), seed=cfg.data.seed,
+        num_workers=cfg.data.num_workers, prefetch=cfg.data.prefetch,
     )
 
 
-def val_dataset(cfg: Config, corpus: Corpus, batch_size: int, num_epochs: int | None = None):
-    """Validation batches [1, B_local, T+1] in file order: every evaluation sees the same ones.
+def val_dataset(corpus: Corpus, *, vocab_size: int, seq_len: int, batch_size: int,
+                num_epochs: int | None = None, prefetch: int = 2):
+    """Validation batches [B_local, T+1] in file order: every evaluation sees the same ones.
     num_epochs=None repeats the split (training's fixed-size evaluations); 1 ends after it (eval.py)."""
-    loader = LoaderConfig(
-        seq_len=cfg.train.seq_len, batch_size=batch_size // jax.process_count(), shuffle=False,
-        num_epochs=num_epochs, prefetch=cfg.data.prefetch,
-    )
-    return make_dataset(corpus.files("val"), cfg.model.vocab_size, loader)
+    loader = LoaderConfig(seq_len=seq_len, batch_size=batch_size // jax.process_count(), shuffle=False,
+                          num_epochs=num_epochs, prefetch=prefetch)
+    return make_dataset(corpus.files("val"), vocab_size, loader)
+
+
+@contextlib.contextmanager
+def library_logs_to(directory) -> Iterator[None]:
+    """Sends library log records (absl / Python logging: Orbax, Grain, JAX) to <directory>/process_<i>.log
+    instead of the console, where a failing background write would print hundreds of lines before the one
+    line that says what happened. A log that cannot be written (full disk) is dropped silently."""
+    import logging
+
+    from absl import logging as absl_logging
+
+    try:
+        directory.mkdir(exist_ok=True)  # inside an existing run directory only
+        handler = logging.FileHandler(str(directory / f"process_{jax.process_index()}.log"), delay=True)
+    except OSError:
+        handler = logging.NullHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root, absl_handler = logging.getLogger(), absl_logging.get_absl_handler()
+    saved = (list(root.handlers), absl_handler.level, logging.raiseExceptions)
+    for h in saved[0]:
+        root.removeHandler(h)
+    root.addHandler(handler)
+    absl_handler.setLevel(logging.CRITICAL + 1)  # absl's own stderr handler
+    logging.raiseExceptions = False  # a full disk must not print "--- Logging error ---" blocks
+    try:
+        yield
+    except BaseException:
+        # Failing: background threads (Orbax's writers) may still log their side of it; they must not reach
+        # the console either, so the console handlers stay detached.
+        root.addHandler(logging.NullHandler())
+        raise
+    else:
+        for h in saved[0]:
+            root.addHandler(h)
+        absl_handler.setLevel(saved[1])
+        logging.raiseExceptions = saved[2]
+    finally:
+        root.removeHandler(handler)
+        with contextlib.suppress(OSError):
+            handler.close()
 
 
 def _barrier(name: str) -> None:

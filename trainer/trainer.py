@@ -1,6 +1,6 @@
-"""The train state, the loss, and the jitted calls: K optimizer steps in one scan, and evaluation.
+"""The train state and the jitted train call: up to K optimizer steps in one scan.
 
-The model is kept as (graphdef, params): the jitted functions take the parameter pytree and rebuild the
+The model is kept as (graphdef, params): the jitted function takes the parameter pytree and rebuilds the
 module with `nnx.merge` at trace time only, so each call is a plain XLA executable over arrays.
 """
 
@@ -16,9 +16,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs.base import Config
-from gpt2.model import GPT2
-from gpt2.sharded import abstract_model, create_sharded_model
-from gpt2.sharding import ShardingRules, batch_sharding, named_shardings
+from gpt2.model import GPT2, next_token_loss
+from gpt2.sharded_init import create_sharded_model
+from gpt2.sharding import ShardingRules, batch_sharding
+from trainer.evaluation import Evaluator
 from trainer.optim import lr_schedule, make_optimizer
 
 TrainState = dict[str, Any]  # {"params": nnx.State, "opt_state": optax state, "step": int32[], "rng": key}
@@ -26,24 +27,20 @@ TrainState = dict[str, Any]  # {"params": nnx.State, "opt_state": optax state, "
 
 @dataclasses.dataclass(frozen=True)
 class Trainer:
-    """The static parts of a run: everything the jitted calls close over."""
+    """The static parts of a run: everything the jitted train call closes over."""
 
     config: Config
-    mesh: Mesh
-    rules: ShardingRules
-    graphdef: nnx.GraphDef
+    evaluator: Evaluator  # the model's structure, mesh, rules and parameter shardings, and validation loss
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     state_shardings: TrainState  # NamedSharding per leaf
-    abstract_params: nnx.State  # ShapeDtypeStructs with their shardings
     batch_sharding: NamedSharding  # of a [K, B, T + 1] stack of batches
 
     @classmethod
     def build(cls, config: Config, mesh: Mesh) -> "Trainer":
-        rules = ShardingRules.preset(config.mesh.rules)
+        evaluator = Evaluator.build(config.model, mesh, ShardingRules.preset(config.mesh.rules))
         tx = make_optimizer(config.optim, config.train.steps)
-        graphdef, params = nnx.split(abstract_model(config.model, rules), nnx.Param)
-        param_shardings = named_shardings(params, mesh, rules)
+        params, param_shardings = evaluator.abstract_params, evaluator.param_shardings
         replicated = NamedSharding(mesh, PartitionSpec())
         opt_shardings = optax.tree_map_params(
             tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings,
@@ -51,10 +48,16 @@ class Trainer:
         )
         shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated,
                      "rng": replicated}
-        abstract_params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                       params, param_shardings)
-        return cls(config, mesh, rules, graphdef, tx, lr_schedule(config.optim, config.train.steps),
-                   shardings, abstract_params, batch_sharding(mesh, rules, ndim=3))
+        return cls(config, evaluator, tx, lr_schedule(config.optim, config.train.steps), shardings,
+                   batch_sharding(mesh, evaluator.rules, ndim=3))
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.evaluator.mesh
+
+    @property
+    def abstract_params(self) -> nnx.State:
+        return self.evaluator.abstract_params
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs with shardings: the restore target, and the AOT compiler's input."""
@@ -70,7 +73,7 @@ class Trainer:
 
     def init_state(self) -> TrainState:
         """Fresh parameters (born sharded) and an optimizer state with the same layout."""
-        model = create_sharded_model(self.config.model, self.mesh, self.rules, seed=self.config.train.seed)
+        model = create_sharded_model(self.config.model, self.mesh, self.evaluator.rules, seed=self.config.train.seed)
         params = nnx.state(model, nnx.Param)
         opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings["opt_state"])(params)
         put = lambda x, s: jax.device_put(x, s)  # noqa: E731
@@ -82,31 +85,39 @@ class Trainer:
         }
 
     def model(self, params: nnx.State) -> GPT2:
-        return nnx.merge(self.graphdef, params)
+        return self.evaluator.model(params)
 
-    # ---- jitted calls ---------------------------------------------------------------------------
+    # ---- the jitted call ------------------------------------------------------------------------
 
-    def train_call(self) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
-        """jit(state, batches [K, B, T+1]) -> (state after K steps, {loss, grad_norm, lr}: each [K])."""
+    def train_call(self) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, dict]]:
+        """jit(state, batches [K, B, T+1], active [K] bool) -> (state, {loss, grad_norm, lr}: each [K]).
 
-        def call(state, batches):
-            return jax.lax.scan(self._train_step, state, batches)
+        Step i runs only where active[i]: a call that must end early (at an evaluation, a checkpoint or the
+        last step) skips its tail instead of needing a second executable for fewer steps. Skipped steps leave
+        the state untouched and report zeros.
+        """
+
+        def call(state, batches, active):
+            def body(state, xs):
+                batch, on = xs
+                return jax.lax.cond(on, self._train_step, _skip_step, state, batch)
+
+            return jax.lax.scan(body, state, (batches, active))
 
         return jax.jit(
             call,
-            in_shardings=(self.state_shardings, self.batch_sharding),
+            in_shardings=(self.state_shardings, self.batch_sharding, None),
             out_shardings=(self.state_shardings, None),
             donate_argnums=0,  # the old state's buffers become the new state's
         )
 
-    def eval_call(self) -> Callable[[nnx.State, jax.Array], jax.Array]:
-        """jit(params, batch [B, T+1]) -> mean next-token loss."""
-
-        def call(params, batch):
-            return self._loss(params, batch, None)
-
-        batch = batch_sharding(self.mesh, self.rules, ndim=2)
-        return jax.jit(call, in_shardings=(self.state_shardings["params"], batch))
+    def lower(self):
+        """The train call lowered on abstract inputs (nothing allocated): for AOT reports and compile checks."""
+        t = self.config.train
+        batches = jax.ShapeDtypeStruct((t.steps_per_call, t.batch_size, t.seq_len + 1), jnp.int32,
+                                       sharding=self.batch_sharding)
+        active = jax.ShapeDtypeStruct((t.steps_per_call,), jnp.bool_)
+        return self.train_call().lower(self.abstract_state(), batches, active)
 
     def _train_step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
         """One optimizer step on a [B, T+1] batch, accumulating gradients over `grad_accum` micro-batches."""
@@ -117,6 +128,7 @@ class Trainer:
             updates, opt_state = self.tx.update(grads, state["opt_state"], params)
             params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": self.schedule(step)}
+        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
         return {**state, "params": params, "opt_state": opt_state, "step": step + 1}, metrics
 
     def _grads(self, params, batch, dropout_key):
@@ -136,9 +148,9 @@ class Trainer:
         return loss / A, jax.tree.map(lambda g: g / A, grads)
 
     def _loss(self, params, batch, dropout_key) -> jax.Array:
-        x, y = batch[:, :-1], batch[:, 1:]  # [B, T] inputs and next-token targets
-        logits = self.model(params)(x, dropout_key=dropout_key)  # [B, T, V]
-        with jax.named_scope("loss"):
-            # float32 log-softmax even when the matmuls ran in bfloat16
-            losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
-        return losses.mean()
+        return next_token_loss(self.model(params), batch, dropout_key)
+
+
+def _skip_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
+    zero = jnp.zeros((), jnp.float32)
+    return state, {"loss": zero, "grad_norm": zero, "lr": zero}
