@@ -138,13 +138,17 @@ def _train(cfg: Config, mesh, run_dir: RunDir) -> int:
                                    start_step=start)
         run.meta = {"config": dataclasses.asdict(cfg), "wandb_id": run.logger.wandb_id, "wandb_mode": wandb_mode,
                     "corpus": corpus_identity(corpus)}
-        with Preemption() as preemption:
-            state = loop(run, state, preemption)
-        if int(state["step"]) >= cfg.train.steps and cfg.train.sample_tokens:
-            text = sample_text(cfg, trainer, state)  # every process: the parameters may span them all
-            if jax.process_index() == 0:
-                print(text)
-        run.logger.plot()
+        try:
+            with Preemption() as preemption:
+                state = loop(run, state, preemption)
+            if int(state["step"]) >= cfg.train.steps and cfg.train.sample_tokens:
+                text = sample_text(cfg, trainer, state)  # every process: the parameters may span them all
+                if jax.process_index() == 0:
+                    print(text)
+            run.logger.plot()
+        except BaseException:
+            run.logger.close(quietly=True)  # the error being raised is the one to report
+            raise
         run.logger.close()
     run.ckpt.close()
     return 0

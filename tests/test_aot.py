@@ -5,6 +5,7 @@ import pytest
 from conftest import run_cli
 
 pytest.importorskip("libtpu", reason="the `tpu` extra brings libtpu")
+pytestmark = pytest.mark.slow
 
 
 def test_gpt2_124m_compiles_and_fits_on_v5e_2x2():

@@ -39,6 +39,7 @@ def test_derived_figures_are_the_ratios_of_the_measurements(capsys):
     assert "ratio ours k16 vs transformers  0.75x" in table and "blocks 30 ms of 250 ms (12%)" in table
 
 
+@pytest.mark.slow
 def test_the_benchmark_runs_end_to_end_on_a_tiny_budget(tmp_path, capsys):
     out = tmp_path / "bench.json"
     bench.main(["--k", "1", "2", "--repeats", "1", "--skip", "torch", "compile", "loader", "--json", str(out)])

@@ -41,7 +41,8 @@ def two_process_run(tmp_path_factory, shakespeare):
 
 def sample_of(output: str) -> str:
     text = output.replace("[p0] ", "")
-    return text[text.index("--- sample ---"):text.index("--------------")]
+    start = text.index("--- sample ---\n")
+    return text[start:text.index("\n--------------\n", start)]
 
 
 def test_two_processes_equal_one(two_process_run, shakespeare, tmp_path):

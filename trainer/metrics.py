@@ -117,13 +117,19 @@ class MetricsLogger:
         finally:
             plt.close(fig)
 
-    def close(self) -> None:
+    def close(self, *, quietly: bool = False) -> None:
+        """Closes the metrics file and the wandb run; `quietly` (on the way out of a failure) reports nothing."""
         if not self.active:
             return
-        with storage_errors("write", self.run_dir / "metrics.jsonl"):
-            self.file.close()
+        try:
+            with storage_errors("write", self.run_dir / "metrics.jsonl"):
+                self.file.close()
+        except OSError:
+            if not quietly:
+                raise
         if self.wandb is not None:
-            self.wandb.finish()
+            self.wandb.finish(exit_code=1 if quietly else 0)
+            self.wandb = None
 
 
 def _netrc_has_wandb() -> bool:
