@@ -20,7 +20,8 @@ import jax
 
 from configs.base import CheckpointConfig, Config, DataConfig, DistributedConfig, MeshConfig
 from configs.cli import fail, parse
-from configs.errors import ONE_LINE, CheckpointError, ConfigError
+from configs.errors import CheckpointError, ConfigError, UserError
+from gpt2.config import ConfigError as ModelConfigError
 from gpt2.hf import HFCheckpointError
 from gpt2.sharding import ShardingRules
 from trainer.checkpoint import CheckpointGone, Checkpoints, check_compatible
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             return evaluate_hf(cfg)
         with library_logs_to(RunDir(cfg.run_dir) / "logs"):  # Orbax's notes on read-only restores, ...
             return evaluate_run(cfg)
-    except (*ONE_LINE, HFCheckpointError) as e:
+    except (UserError, ModelConfigError, HFCheckpointError) as e:
         fail(str(e))
 
 
@@ -134,7 +135,7 @@ def evaluate_run(cfg: EvalConfig) -> int:
                 continue
             maybe_sample(cfg, evaluator.model(params))
     ckpt.close()
-    finish(cfg, records, out=cfg.out or str(RunDir(cfg.run_dir) / "eval.json"))
+    finish(records, out=cfg.out or str(RunDir(cfg.run_dir) / "eval.json"))
     log_to_wandb(cfg, run, meta, records)
     if failed:
         raise CheckpointError(f"{len(failed)} of {len(chosen)} checkpoints could not be evaluated (steps {failed});"
@@ -179,7 +180,7 @@ def evaluate_hf(cfg: EvalConfig) -> int:
         record = evaluate(cfg, evaluator, nnx.state(model, nnx.Param), corpus, seq_len, step=None,
                           dataset=cfg.dataset, model=str(cfg.hf))
         maybe_sample(cfg, model)
-    finish(cfg, [record], out=cfg.out)
+    finish([record], out=cfg.out)
     return 0
 
 
@@ -234,7 +235,7 @@ def prompt_ids(cfg: EvalConfig, block_size: int) -> list[int]:
     return prompt
 
 
-def finish(cfg: EvalConfig, records: list[dict], *, out: str) -> None:
+def finish(records: list[dict], *, out: str) -> None:
     if jax.process_index() == 0 and records:
         merge_eval_results(out, records)
         print(f"results: {out}")

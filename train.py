@@ -24,8 +24,9 @@ from tqdm.auto import tqdm
 import configs
 from configs.base import Config
 from configs.cli import fail, parse
-from configs.errors import ONE_LINE, CheckpointError, ConfigError, UserError
+from configs.errors import CheckpointError, ConfigError, UserError
 from data.loader import Corpus, corpus_identity, make_dataset, rows_consumed, to_global
+from gpt2.config import ConfigError as ModelConfigError
 from gpt2.sharded_init import param_report, visualize_param
 from trainer.checkpoint import (Checkpoints, check_compatible, check_same_data, check_same_schedule,
                                 realign_data)
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         # under their tracebacks, and there is nothing left worth flushing.
         print(f"error: {e}", file=sys.stderr, flush=True)
         os._exit(2)
-    except ONE_LINE as e:
+    except (UserError, ModelConfigError) as e:
         fail(str(e))
 
 
@@ -107,27 +108,28 @@ def train(cfg: Config) -> int:
     check_sample_prompt(cfg)
     initialize_distributed(cfg.distributed)
     mesh = build_mesh(cfg)
+    corpus = resolve_corpus(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
     run_dir = RunDir(cfg.run_dir)
-    take_lock(run_dir)
+    take_run_dir(run_dir)  # the first write to the run directory
     try:
-        return _train(cfg, mesh, run_dir)
+        return _train(cfg, mesh, corpus, run_dir)
     finally:
         run_dir.unlock()
 
 
-def _train(cfg: Config, mesh, run_dir: RunDir) -> int:
-    corpus = resolve_corpus(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
+def _train(cfg: Config, mesh, corpus: Corpus, run_dir: RunDir) -> int:
     trainer = Trainer.build(cfg, mesh)
-    if jax.process_index() == 0:
-        run_dir.check_writable("checkpoints")  # Orbax would otherwise stall for minutes before failing
     run = Run(cfg, trainer, run_dir, Checkpoints(run_dir.path, cfg.checkpoint), corpus,
               iter(make_dataset(corpus.files("train"), cfg.model.vocab_size, train_loader_config(cfg))))
     with jax.set_mesh(mesh), library_logs_to(run_dir / "logs"):
         restored = restore(run)
-        if restored == "finished":
+        stop_after = cfg.train.stop_after
+        if not restored.finished and stop_after is not None and stop_after <= restored.step:
+            say(f"{run_dir.path}: already at step {restored.step}, train.stop_after={stop_after}; nothing to do")
+        if restored.finished or (stop_after is not None and stop_after <= restored.step):
+            run.ckpt.close()
             return 0
-        state, saved = restored
-        start = int(state["step"])
+        state, saved, start = restored.state, restored.meta, restored.step
         if jax.process_index() == 0:
             run_dir.record_config(dataclasses.asdict(cfg), start)
             print(param_report(trainer.model(state["params"]), mesh))
@@ -143,8 +145,7 @@ def _train(cfg: Config, mesh, run_dir: RunDir) -> int:
                 state = loop(run, state, preemption)
             if int(state["step"]) >= cfg.train.steps and cfg.train.sample_tokens:
                 text = sample_text(cfg, trainer, state)  # every process: the parameters may span them all
-                if jax.process_index() == 0:
-                    print(text)
+                say(text)
             run.logger.plot()
         except BaseException:
             run.logger.close(quietly=True)  # the error being raised is the one to report
@@ -154,13 +155,20 @@ def _train(cfg: Config, mesh, run_dir: RunDir) -> int:
     return 0
 
 
-def take_lock(run_dir: RunDir) -> None:
-    """Process 0 takes the run directory for the whole job (all processes of a job are one writer); if it
-    cannot, every process stops."""
+def say(text: str) -> None:
+    if jax.process_index() == 0:
+        print(text)
+
+
+def take_run_dir(run_dir: RunDir) -> None:
+    """Process 0 takes the run directory's lock for the whole job (all processes of a job are one writer) and
+    checks that checkpoints/ is writable (Orbax would otherwise stall for minutes before failing); if either
+    fails, every process stops."""
     failure = None
     if jax.process_index() == 0:
         try:
             run_dir.lock()
+            run_dir.check_writable("checkpoints")
         except UserError as e:
             failure = e
     if jax.process_count() > 1:
@@ -169,6 +177,7 @@ def take_lock(run_dir: RunDir) -> None:
         if not bool(multihost_utils.broadcast_one_to_all(np.array(failure is None))):
             failure = failure or UserError(f"{run_dir.path}: process 0 could not take the run directory")
     if failure is not None:
+        run_dir.unlock()
         raise failure
 
 
@@ -181,14 +190,24 @@ def check_sample_prompt(cfg: Config) -> None:
                               f" that exceeds model.block_size={cfg.model.block_size}")
 
 
-def restore(run: Run):
-    """(state, checkpoint meta) of the newest checkpoint that restores, a fresh state, or "finished"."""
+@dataclasses.dataclass
+class Restored:
+    """Where a start begins: a restored or fresh state, or a run already finished."""
+
+    step: int
+    state: dict | None = None
+    meta: dict = dataclasses.field(default_factory=dict)
+    finished: bool = False
+
+
+def restore(run: Run) -> Restored:
+    """The newest checkpoint that restores (a finished run is not restored at all), or a fresh state."""
     cfg, trainer = run.cfg, run.trainer
 
-    def attempt(step: int, saved: dict):
+    def attempt(step: int, saved: dict) -> dict | None:
         check_compatible(saved, cfg, run.ckpt.path(step))
         if step >= cfg.train.steps:
-            return "finished"
+            return None
         check_same_data(saved, cfg, corpus_identity(run.corpus), run.ckpt.path(step))
         check_same_schedule(saved, cfg, run.ckpt.path(step))
         state = run.ckpt.restore(step, trainer.abstract_state(), run.train_iter)
@@ -197,16 +216,14 @@ def restore(run: Run):
 
     found = run.ckpt.restore_latest(attempt)
     if found is None:
-        return trainer.init_state(), {}
+        return Restored(0, trainer.init_state())
     step, saved, state = found
-    if state == "finished":
-        if jax.process_index() == 0:
-            print(f"{run.run_dir.path}: already finished at step {step}; train.steps={cfg.train.steps}"
-                  " (raise train.steps to continue it; see README, Training)")
-        return "finished"
-    if jax.process_index() == 0:
-        print(f"resumed from {run.ckpt.path(step)}")
-    return state, saved
+    if state is None:
+        say(f"{run.run_dir.path}: already finished at step {step}; train.steps={cfg.train.steps}"
+            " (raise train.steps to continue it; see README, Training)")
+        return Restored(step, finished=True)
+    say(f"resumed from {run.ckpt.path(step)}")
+    return Restored(step, state, saved)
 
 
 # ---- the loop --------------------------------------------------------------------------------------
@@ -233,7 +250,7 @@ def loop(run: Run, state, preemption: "Preemption"):
     peak = peak_flops_per_device(t.peak_flops) * jax.device_count()
     bar = tqdm(total=t.steps, initial=step, unit="step", disable=not (cfg.log.progress and run.logger.active),
                dynamic_ncols=True)
-    with save_errors(run):
+    with finishing_saves(run.ckpt):
         while step < stop:
             n = steps_this_call(step, stop, cfg)
             batches, active = run.next_batches(n)
@@ -256,12 +273,13 @@ def loop(run: Run, state, preemption: "Preemption"):
                 evaluate(state["params"], step, bar)
             done = step >= stop or preemption.requested()
             if step % cfg.checkpoint.every == 0 or done:
-                run.ckpt.save(step, state, run.train_iter,
-                              {**run.meta, "data_rows": rows_consumed_or_none(run)})
+                with save_errors(run.ckpt):
+                    run.ckpt.save(step, state, run.train_iter, {**run.meta, "data_rows": rows_consumed_or_none(run)})
             if done:
                 break
         bar.close()
-        run.ckpt.wait()
+        with save_errors(run.ckpt):
+            run.ckpt.wait()
     if preemption.requested() and run.logger.active:
         print(f"stopped by {preemption.signal_name} at step {step}; checkpoint saved, restart to resume")
     return state
@@ -277,22 +295,29 @@ def rows_consumed_or_none(run: Run) -> int | None:
 
 
 @contextlib.contextmanager
-def save_errors(run: Run):
-    """A failed checkpoint write (disk full, I/O error, permissions) becomes one line; any other stop waits
-    for the saves in flight first, so they are never abandoned half-written."""
+def save_errors(ckpt: Checkpoints):
+    """A failed checkpoint write (disk full, I/O error, permissions) becomes one line. Asynchronous writes
+    report their failure at the next save or wait, so both go through here."""
     try:
         yield
     except (OSError, ValueError, RuntimeError) as e:
         if isinstance(e, UserError):
-            _wait_quietly(run.ckpt)
             raise
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise SaveFailed(f"could not save checkpoint in {run.ckpt.directory}: {reason}") from None
+        raise SaveFailed(f"could not save checkpoint in {ckpt.directory}: {reason}") from None
 
 
-def _wait_quietly(ckpt: Checkpoints) -> None:
-    with contextlib.suppress(Exception):
-        ckpt.wait()
+@contextlib.contextmanager
+def finishing_saves(ckpt: Checkpoints):
+    """A run stopped by a user-facing error (divergence, a bad token id, a full disk at metrics.jsonl)
+    first lets the checkpoint writes in flight finish, so none is abandoned half-written."""
+    try:
+        yield
+    except UserError as e:
+        if not isinstance(e, SaveFailed):
+            with contextlib.suppress(Exception):
+                ckpt.wait()
+        raise
 
 
 def make_evaluator(run: Run):
@@ -316,7 +341,8 @@ def check_finite(metrics: dict, step: int, ckpt: Checkpoints) -> None:
     bad = ~(np.isfinite(metrics["loss"]) & np.isfinite(metrics["grad_norm"]))
     if bad.any():
         first = step + int(np.argmax(bad)) + 1
-        ckpt.wait()
+        with save_errors(ckpt):
+            ckpt.wait()  # the newest checkpoint may still be in flight
         steps = ckpt.all_steps()
         where = f"last good checkpoint: {ckpt.path(steps[-1])}" if steps else "no checkpoint yet"
         raise Diverged(

@@ -8,7 +8,6 @@ import pkgutil
 import typing
 from pathlib import Path
 
-from configs.base import Config
 from configs.errors import ConfigError
 
 _NOT_PRESETS = {"base", "cli", "errors"}
@@ -18,14 +17,19 @@ PRESETS = sorted(
 DEFAULT = "shakespeare_cpu"
 
 
-def load(name: str) -> Config:
+def load(name: str):
+    """The preset `configs/<name>.py`'s Config."""
     if name not in PRESETS:
         raise ConfigError(f"unknown config {name!r}; choose one of {PRESETS}")
     return importlib.import_module(f"configs.{name}").CONFIG
 
 
-def from_dict(d: dict, cls: type = Config):
-    """A config dataclass from its `dataclasses.asdict` form (e.g. the copy saved in a run directory)."""
+def from_dict(d: dict, cls: type | None = None):
+    """A config dataclass (default: Config) from its `dataclasses.asdict` form (e.g. the copy in a checkpoint)."""
+    if cls is None:
+        from configs.base import Config  # imported here: `configs.errors` / `configs.cli` stay free of JAX
+
+        cls = Config
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):

@@ -1,20 +1,19 @@
 """The application's errors: each is a user's mistake or an environment fault, reported as one `error:` line
 and exit status 2 by the entry points (train.py, eval.py, `python -m data.prepare`).
 
-The model package raises its own `gpt2.config.ConfigError` (a bad architecture, mesh or rules table);
-`ONE_LINE` is what the entry points catch.
+This module imports nothing, so `data.prepare` can raise these without loading JAX. The model package
+raises its own `gpt2.config.ConfigError` (a bad architecture, mesh or rules table); the entry points catch
+both.
 """
 
 from __future__ import annotations
-
-from gpt2.config import ConfigError as ModelConfigError
 
 
 class UserError(Exception):
     """Something the user can fix; the message names the flag, file or path and what to do."""
 
 
-class ConfigError(UserError, ModelConfigError):
+class ConfigError(UserError, ValueError):
     """A configuration value or command-line argument is invalid; the message names the flag."""
 
 
@@ -28,6 +27,3 @@ class CheckpointError(UserError, RuntimeError):
 
 class RunDirError(UserError, OSError):
     """The run directory cannot be used (held by another trainer, unwritable, full, corrupt files)."""
-
-
-ONE_LINE = (UserError, ModelConfigError)

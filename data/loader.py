@@ -54,9 +54,10 @@ def open_corpus(directory: str | os.PathLike, *, vocab_size: int, min_tokens: in
         raise DataError(f"{meta_path}: missing (prepare the corpus with `python -m data.prepare`)")
     try:
         meta = json.loads(meta_path.read_text())
-        assert isinstance(meta, dict)
-    except (ValueError, AssertionError) as e:
+    except ValueError as e:
         raise DataError(f"{meta_path}: not a meta.json written by data.prepare ({e})") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{meta_path}: not a meta.json written by data.prepare (not a JSON object)")
     if meta.get("tokenizer_sha256") != RANKS_SHA256:
         raise DataError(
             f"{meta_path}: tokenized with {meta.get('tokenizer')!r} (sha256"

@@ -686,12 +686,12 @@ def _publish(state: Path, out: Path, names: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     from configs.cli import fail, parse
-    from configs.errors import ONE_LINE
+    from configs.errors import UserError
 
     cfg = parse(PrepareConfig, argv, prog="python -m data.prepare", bool_flags=True)
     try:
         prepare(cfg)
-    except (*ONE_LINE, OSError) as e:
+    except (UserError, OSError) as e:
         fail(str(e))
 
 

@@ -68,10 +68,11 @@ def read_hf_config(directory: Path) -> dict:
     path = directory / "config.json"
     try:
         config = json.loads(path.read_text())
-        assert isinstance(config, dict)
-        return config
-    except (OSError, ValueError, AssertionError) as e:
+    except (OSError, ValueError) as e:
         raise HFCheckpointError(f"{path}: not a readable Hugging Face config.json ({e})") from None
+    if not isinstance(config, dict):
+        raise HFCheckpointError(f"{path}: not a readable Hugging Face config.json (not a JSON object)")
+    return config
 
 
 def from_hf(

@@ -180,6 +180,13 @@ def test_cli_steps_are_exact_when_k_does_not_divide_them(k1_run, shakespeare, tm
     assert [x["step"] for x in records if "val_loss" in x] == [3, 6, 9, 10]
     assert checkpoint_steps(tmp_path) == [4, 8, 10]
     np.testing.assert_allclose(step_losses(tmp_path), step_losses(k1_run[0])[:10], rtol=0, atol=1e-5)
+    # eval_every=0: only the final evaluation, still at the last step; and stop_after within a call
+    code, _, err = run_main(train_app.main, *train_args(tmp_path / "b", shakespeare, "--train.steps=7",
+                                                        "--train.steps_per_call=4", "--train.eval_every=0"))
+    assert code == 0, err[-2000:]
+    records = read_jsonl(tmp_path / "b" / "metrics.jsonl")
+    assert [x["step"] for x in records if "loss" in x] == list(range(1, 8))
+    assert [x["step"] for x in records if "val_loss" in x] == [7] and checkpoint_steps(tmp_path / "b") == [4, 7]
 
 
 @pytest.mark.slow

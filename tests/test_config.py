@@ -8,7 +8,10 @@ import pytest
 import configs
 from configs.base import Config
 from gpt2 import GPT2Config, ShardingRules, make_mesh
-from gpt2.config import ConfigError  # the model's; the app's ConfigError subclasses it
+from configs.errors import ConfigError as AppConfigError
+from gpt2.config import ConfigError as ModelConfigError
+
+ConfigError = (AppConfigError, ModelConfigError)  # model fields raise the model package's, the rest the app's
 from gpt2.sharded_init import abstract_model
 
 

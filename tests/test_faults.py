@@ -171,13 +171,14 @@ def _array_files(run_dir, step):
                   if p.is_file() and "/d/" in str(p))
 
 
-def _truncate_array(run_dir):
-    f = max(_array_files(run_dir, 16), key=lambda p: p.stat().st_size)
-    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+def _truncate_array(run_dir):  # every array data file: which holds the parameters is OCDBT's business
+    for f in _array_files(run_dir, 16):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
 
 def _delete_array(run_dir):
-    max(_array_files(run_dir, 16), key=lambda p: p.stat().st_size).unlink()
+    for f in _array_files(run_dir, 16):
+        f.unlink()
 
 
 def _truncate_meta(run_dir):

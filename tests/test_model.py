@@ -239,5 +239,7 @@ def test_hf_import_straight_into_a_sharded_layout(tmp_path):
     model = from_hf(tmp_path, mesh=mesh, rules="fsdp_tp")
     kernel = model.h.mlp.c_fc.kernel.get_value()
     assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
-    with pytest.raises(FileNotFoundError, match="not a Hugging Face checkpoint directory"):
+    from gpt2.hf import HFCheckpointError
+
+    with pytest.raises(HFCheckpointError, match="missing: no such directory; give a Hugging Face checkpoint"):
         from_hf(tmp_path / "missing")

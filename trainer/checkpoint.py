@@ -21,9 +21,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from configs.base import CheckpointConfig, Config
-from configs.errors import CheckpointError, ConfigError, DataError
+from configs.errors import CheckpointError, DataError, UserError
 from data.loader import position_file, restore_position, rows_consumed, seek
-from trainer.run_dir import warn
+from trainer.run_dir import storage_errors, warn
 
 STATE, DATA, META = "state", "data", "meta"
 DAMAGED = "checkpoints.damaged"  # beside checkpoints/: where unreadable checkpoints are moved, never deleted
@@ -67,9 +67,9 @@ class Checkpoints:
             meta = self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
         except Exception as e:  # noqa: BLE001 - Orbax reports a damaged item with many exception types
             self._raise_if_gone(step)
-            raise CheckpointError(f"{self.path(step)}: unreadable metadata ({_reason(e)})") from None
+            raise CheckpointDamaged(f"{self.path(step)}: unreadable metadata ({_reason(e)})") from None
         if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
-            raise CheckpointError(f"{self.path(step)}: metadata holds no config")
+            raise CheckpointDamaged(f"{self.path(step)}: metadata holds no config")
         return meta
 
     def restore(self, step: int, abstract_state: Any, iterator=None) -> Any:
@@ -89,36 +89,50 @@ class Checkpoints:
     def restore_latest(self, attempt: Callable[[int, dict], Any]) -> tuple[int, dict, Any] | None:
         """(step, meta, attempt(step, meta)) for the newest checkpoint that restores, or None when there is none.
 
-        A checkpoint that fails to restore for a reason in the checkpoint itself is reported in one line,
-        moved aside to `checkpoints.damaged/` and the next older one is tried. A refusal of the checkpoint
-        by this run's config (another model shape, another corpus) is not damage: it propagates.
+        A checkpoint that fails to restore for a reason in the checkpoint itself (a file missing, truncated or
+        garbled) is reported in one line, moved aside to `checkpoints.damaged/` and the next older one is
+        tried. A refusal by this run's config (another model shape, corpus, schedule; a data position that
+        cannot be carried over) and a device out of memory are not damage: they propagate. If checkpoints were
+        there and none restores, the run stops rather than silently starting from scratch.
         """
+        moved = []
         for step in reversed(self.all_steps()):
             try:
                 meta = self.read_meta(step)
                 result = attempt(step, meta)
                 failure = None
-            except (ConfigError, CheckpointMismatch):
+            except CheckpointError as e:
+                if not isinstance(e, CheckpointDamaged):
+                    raise
+                failure = e
+            except UserError:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure to read a file of this checkpoint
-                failure = e if isinstance(e, CheckpointError) else CheckpointError(
-                    f"{self.path(step)}: cannot be restored ({_reason(e)})")
+                if "RESOURCE_EXHAUSTED" in str(e):
+                    raise
+                failure = CheckpointDamaged(f"{self.path(step)}: cannot be restored ({_reason(e)})")
             if not _everywhere_ok(failure is None):
-                self.move_aside(step, failure or CheckpointError(f"{self.path(step)}: another process failed"))
+                moved.append(self.move_aside(step, failure or CheckpointDamaged(f"{self.path(step)}: another"
+                                                                               " process failed to restore it")))
                 continue
             return step, meta, result
+        if moved:
+            raise CheckpointError(f"{self.directory}: no checkpoint restores (the damaged ones are in "
+                                  f"{moved[0].parent}); move one back, or start a new --run_dir")
         return None
 
-    def move_aside(self, step: int, failure: Exception) -> None:
+    def move_aside(self, step: int, failure: Exception) -> epath.Path:
         """Moves a damaged checkpoint out of Orbax's sight (never deletes it) and says so in one line."""
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        target = self.run_dir / DAMAGED / f"{step}-{stamp}"
         if jax.process_index() == 0:
-            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-            target = self.run_dir / DAMAGED / f"{step}-{stamp}"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            self.path(step).rename(target)
+            with storage_errors("move a damaged checkpoint to", target):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self.path(step).rename(target)
             warn(f"{str(failure).rstrip('.')}; moved it to {target} and trying the previous checkpoint")
         _barrier(f"move-aside-{step}")
         self.manager.reload()
+        return target
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """Only the parameters of a saved train state: evaluation reads neither the optimizer moments
@@ -131,7 +145,7 @@ class Checkpoints:
                 return checkpointer.restore(self.path(step) / STATE, args=args)["params"]
         except Exception as e:  # noqa: BLE001
             self._raise_if_gone(step)
-            raise CheckpointError(f"{self.path(step)}: cannot be restored ({_reason(e)})") from None
+            raise CheckpointDamaged(f"{self.path(step)}: cannot be restored ({_reason(e)})") from None
 
     def _raise_if_gone(self, step: int) -> None:
         if not self.path(step).exists():
@@ -143,6 +157,10 @@ class Checkpoints:
 
     def close(self) -> None:
         self.manager.close()
+
+
+class CheckpointDamaged(CheckpointError):
+    """A file of the checkpoint is missing, truncated or unreadable."""
 
 
 class CheckpointGone(CheckpointError):
@@ -241,6 +259,9 @@ def realign_data(saved: dict, config: Config, iterator, where) -> None:
         if "data_rows" in saved:
             if train.get("batch_size") == batch:
                 return  # the restored iterator is already there
+            if saved["data_rows"] is None:
+                raise DataError("the data position of a run with Grain worker processes cannot be regrouped;"
+                                f" keep train.batch_size={train.get('batch_size')}")
             rows = saved["data_rows"]
         else:
             if not isinstance(train.get("steps_per_call"), int) or not isinstance(train.get("batch_size"), int):

@@ -134,10 +134,6 @@ class RunDir:
         except (OSError, ValueError, KeyError, TypeError):
             return "holder unknown"
 
-    @property
-    def locked(self) -> bool:
-        return self._lock is not None
-
     def unlock(self) -> None:
         if self._lock is not None:
             with contextlib.suppress(OSError):
@@ -147,13 +143,13 @@ class RunDir:
 
     # ---- config ----------------------------------------------------------------------------------
 
-    def record_config(self, config: dict, step: int) -> dict[str, tuple]:
+    def record_config(self, config: dict, step: int) -> None:
         """Saves the first start's config as config.json; later starts append what they changed to
-        config_changes.jsonl (config.json is never overwritten). Returns the changes."""
+        config_changes.jsonl (config.json is never overwritten)."""
         path = self.path / "config.json"
         if not path.exists():
             atomic_write(path, json.dumps(config, indent=2))
-            return {}
+            return
         try:
             first = flat(json.loads(path.read_text()))
         except (OSError, ValueError):
@@ -164,7 +160,6 @@ class RunDir:
             record = {"step": step, "time": datetime.datetime.now().isoformat(timespec="seconds"),
                       "changes": {k: list(v) for k, v in changes.items()}}
             self._append(self.path / "config_changes.jsonl", json.dumps(record) + "\n")
-        return changes
 
     def _latest_config(self, first: dict) -> dict:
         """config.json with every recorded change applied: the config of the previous start."""
@@ -233,10 +228,10 @@ def merge_eval_results(path, records: list[dict]) -> None:
     if path.exists():
         try:
             existing = json.loads(path.read_text())["results"]
-            assert isinstance(existing, list) and all(isinstance(r, dict) and "key" in r for r in existing)
-        except (OSError, ValueError, KeyError, TypeError, AssertionError):
-            raise RunDirError(f"{path}: not an eval.json written by eval.py; move it away or pass another --out"
-                              ) from None
+        except (OSError, ValueError, KeyError, TypeError):
+            existing = None
+        if not (isinstance(existing, list) and all(isinstance(r, dict) and "key" in r for r in existing)):
+            raise RunDirError(f"{path}: not an eval.json written by eval.py; move it away or pass another --out")
     keys = {r["key"] for r in records}
     merged = [r for r in existing if r["key"] not in keys] + records
     with storage_errors("create", path.parent):
