@@ -77,7 +77,7 @@ class EvalConfig:
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # before JAX starts its threads: see trainer/malloc.py
     try:
-        cfg = parse(EvalConfig, argv, prog="eval.py", bool_flags=True)
+        cfg = parse(EvalConfig, argv, prog="eval.py", description=__doc__)
         check_args(cfg)
         if cfg.hf:
             return evaluate_hf(cfg)

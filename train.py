@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     name, argv = pop_option(argv, "--config")
     topology, argv = pop_option(argv, "--aot")
     try:
-        cfg = parse(Config, argv, default=configs.load(name or configs.DEFAULT), prog="train.py")
+        cfg = parse(Config, argv, default=configs.load(name or configs.DEFAULT), prog="train.py", description=usage())
         if topology:
             from trainer.aot import run_aot
 
@@ -66,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(2)
     except (UserError, ModelConfigError) as e:
         fail(str(e))
+
+
+def usage() -> str:
+    return (f"{__doc__}\nBefore the config fields below:\n"
+            f"  --config NAME     the preset the other flags override: {', '.join(configs.PRESETS)}"
+            f" (default {configs.DEFAULT})\n"
+            "  --aot TOPOLOGY    compile the real train call for a TPU topology (v4, v5e, v5p, v6e; e.g. v5e:2x4)"
+            " and report its memory, instead of training (needs the `tpu` extra)\n")
 
 
 def pop_option(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
@@ -130,12 +138,14 @@ def _train(cfg: Config, mesh, corpus: Corpus, run_dir: RunDir) -> int:
             run.ckpt.close()
             return 0
         state, saved, start = restored.state, restored.meta, restored.step
+        wandb_mode = saved.get("wandb_mode") or resolve_wandb_mode(cfg.log.wandb)
         if jax.process_index() == 0:
             run_dir.record_config(dataclasses.asdict(cfg), start)
-            print(param_report(trainer.model(state["params"]), mesh))
+            print(summary(run, start, wandb_mode))
+            if cfg.log.param_report:
+                print(param_report(trainer.model(state["params"]), mesh))
             if cfg.log.show_sharding:
                 visualize_param(trainer.model(state["params"]), cfg.log.show_sharding)
-        wandb_mode = saved.get("wandb_mode") or resolve_wandb_mode(cfg.log.wandb)
         run.logger = MetricsLogger(cfg, run_dir, wandb_id=saved.get("wandb_id"), wandb_mode=wandb_mode,
                                    start_step=start)
         run.meta = {"config": dataclasses.asdict(cfg), "wandb_id": run.logger.wandb_id, "wandb_mode": wandb_mode,
@@ -151,8 +161,41 @@ def _train(cfg: Config, mesh, corpus: Corpus, run_dir: RunDir) -> int:
             run.logger.close(quietly=True)  # the error being raised is the one to report
             raise
         run.logger.close()
+        done = outputs(run, wandb_mode)
     run.ckpt.close()
+    say(done)
     return 0
+
+
+def summary(run: Run, start: int, wandb_mode: str) -> str:
+    """The start-up screen: what runs where, in a few lines (the full config is in config.json)."""
+    cfg, m, t, mesh = run.cfg, run.cfg.model, run.cfg.train, run.trainer.mesh
+    meta = run.corpus.meta
+    per_device = sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                     for a in jax.tree.leaves(run.trainer.abstract_params)) / 2**20
+    return "\n".join([
+        f"run      {run.run_dir.path} ({'resumed at step ' + str(start) if start else 'new'}; config.json)",
+        f"model    {m.num_params():,} parameters: {m.n_layer} layers, {m.n_head} heads, width {m.n_embd},"
+        f" context {m.block_size}, {m.dtype} compute",
+        f"mesh     {mesh.size} × {jax.devices()[0].platform}: data {mesh.shape['data']} × fsdp {mesh.shape['fsdp']}"
+        f" × tensor {mesh.shape['tensor']}, rules {cfg.mesh.rules} (~{per_device:,.1f} MiB of parameters per device)",
+        f"data     {run.corpus.directory}: {meta.get('train_tokens', 0):,} train / {meta.get('val_tokens', 0):,}"
+        " val tokens",
+        f"steps    {t.steps:,} steps of {t.batch_size} × {t.seq_len} = {t.batch_size * t.seq_len:,} tokens,"
+        f" {t.steps_per_call} per call; eval every {t.eval_every or t.steps}, checkpoint every"
+        f" {cfg.checkpoint.every}",
+        f"logs     metrics.jsonl, loss.png, logs/; wandb {wandb_mode}",
+    ])
+
+
+def outputs(run: Run, wandb_mode: str) -> str:
+    """The end-of-run line: where everything went."""
+    d = run.run_dir.path
+    steps = ",".join(str(s) for s in run.ckpt.all_steps())
+    where = f"checkpoints {d / 'checkpoints'}/{{{steps}}}, metrics {d / 'metrics.jsonl'}, plot {d / 'loss.png'}"
+    if wandb_mode == "offline":
+        where += f", wandb offline (upload: wandb sync {d / 'wandb'}/offline-run-*)"
+    return f"outputs: {where}"
 
 
 def say(text: str) -> None:

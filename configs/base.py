@@ -44,7 +44,8 @@ class OptimConfig:
       min_lr_ratio: the cosine floor as a fraction of `lr`, in [0, 1] (Chinchilla / nanoGPT use 0.1).
       warmup_steps: linear warmup from 0 (>= 0 steps).
       decay_steps: end of the cosine (>= 1; default: `train.steps`).
-      b1, b2: Adam betas, in [0, 1); 0.95 for b2 as in GPT-3 (Brown et al. 2020, appendix B).
+      b1: Adam's first-moment decay, in [0, 1).
+      b2: Adam's second-moment decay, in [0, 1); 0.95 as in GPT-3 (Brown et al. 2020, appendix B).
       eps: Adam epsilon (finite, > 0).
       weight_decay: decoupled weight decay (finite, >= 0), applied to matrices and embeddings only (not biases
         or norms).
@@ -67,8 +68,10 @@ class MeshConfig:
     """Device mesh sizes (-1: all remaining devices) and the logical-axis rules preset.
 
     Attributes:
-      data, fsdp, tensor: mesh axis sizes (>= 1, or -1 for "the rest"); their product must be the number of
-        devices.
+      data: pure data-parallel size (>= 1, or -1: the devices the other axes leave); the product of the
+        three sizes must be the number of devices.
+      fsdp: data-parallel size with parameters, gradients and optimizer state sharded over it (ZeRO-3).
+      tensor: tensor-parallel size (heads, MLP and vocabulary split over it).
       rules: one of gpt2.sharding.RULES: dp, fsdp, tp, fsdp_tp.
     """
 
@@ -145,6 +148,8 @@ class LogConfig:
       project: wandb project.
       run_name: wandb run name (default: the run directory's name).
       progress: show a progress bar.
+      param_report: also print every parameter's shape, logical axes, partition and bytes per device at
+        start-up (the summary gives the totals).
       show_sharding: also draw this ≤2-D parameter's layout over the devices at start-up
         (`jax.debug.visualize_array_sharding`), e.g. "wte.embedding".
     """
@@ -153,12 +158,15 @@ class LogConfig:
     project: str = "gpt2-nnx"
     run_name: str | None = None
     progress: bool = True
+    param_report: bool = False
     show_sharding: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-    """Multi-process (multi-host) setup. All None: auto-detect (TPU pods, SLURM) or single process.
+    """Multi-process (multi-host) setup. All None: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
+    if set, else JAX's own cluster detection (Cloud TPU VMs and GKE, SLURM, Open MPI, Kubernetes), else one
+    process. Explicit values override the detection.
 
     Attributes:
       coordinator_address: "host:port" of process 0.
@@ -178,7 +186,12 @@ class DistributedConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Everything a training run needs. `run_dir` holds checkpoints, metrics, the config and wandb files."""
+    """Everything a training run needs.
+
+    Attributes:
+      run_dir: the run directory: checkpoints, metrics.jsonl, loss.png, config.json, logs and wandb files; a
+        start on a directory holding checkpoints resumes from them.
+    """
 
     run_dir: str = "runs/default"
     model: GPT2Config = GPT2Config.tiny()

@@ -23,31 +23,62 @@ T = TypeVar("T")
 _BOX = re.compile(r"[│╭╮╰╯─]+")
 
 
-def parse(
-    cls: type[T], argv: list[str] | None, *, default: T | None = None, prog: str, bool_flags: bool = False
-) -> T:
+def parse(cls: type[T], argv: list[str] | None, *, default: T | None = None, prog: str,
+          description: str | None = None) -> T:
     """Parses argv into `cls` (starting from `default`); exits with status 2 and one line on bad input.
 
-    bool_flags: booleans are bare switches (`--all`, `--no-wandb`) instead of taking a value
-    (`--log.progress=False`, the form config overrides use).
+    Booleans are tyro's switches (`--log.progress` / `--log.no_progress`, `--all`, `--no-wandb`); the value
+    forms `--log.progress=false`, `--log.progress false` (true/false/1/0/yes/no, any case) work too.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    conf = () if bool_flags else (tyro.conf.FlagConversionOff,)
+    argv = _bare_booleans(cls, list(sys.argv[1:] if argv is None else argv))
+    kw = dict(default=default, args=argv, prog=prog, description=description, use_underscores=True)
     if "-h" in argv or "--help" in argv:
-        return tyro.cli(cls, default=default, args=argv, prog=prog, config=conf, use_underscores=True)
+        return tyro.cli(cls, **kw)
     unknown = _unknown_flags(cls, argv)
     if unknown:
         fail(unknown)
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            return tyro.cli(cls, default=default, args=argv, prog=prog, config=conf, use_underscores=True)
+            return tyro.cli(cls, **kw)
     except SystemExit as e:
         if e.code in (0, None):
             raise
         fail(_condense(stderr.getvalue()))
     except ValueError as e:  # a dataclass __post_init__ check (e.g. GPT2Config) rejected the values
         fail(str(e))
+
+
+TRUE, FALSE = {"true", "1", "yes"}, {"false", "0", "no"}
+
+
+def _bare_booleans(cls: type, argv: list[str]) -> list[str]:
+    """`--x.flag=false` / `--x.flag false` -> `--x.no_flag`, `--x.flag=true` -> `--x.flag` for boolean fields."""
+    booleans = boolean_flags(cls)
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        key, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        key = key.replace("-", "_")
+        if key in booleans and not eq and i + 1 < len(argv) and argv[i + 1].lower() in TRUE | FALSE:
+            value, eq, i = argv[i + 1], "=", i + 1  # the space-separated form
+        if key in booleans and eq and value.lower() in TRUE | FALSE:
+            section, _, name = key.rpartition(".")
+            arg = f"--{key}" if value.lower() in TRUE else f"--{section + '.' if section else ''}no_{name}"
+        out.append(arg)
+        i += 1
+    return out
+
+
+def boolean_flags(cls: type, prefix: str = "") -> set[str]:
+    """Dotted names of the boolean fields of nested dataclasses ("log.progress", "all", ...)."""
+    hints, out = typing.get_type_hints(cls), set()
+    for f in dataclasses.fields(cls):
+        if hints[f.name] is bool:
+            out.add(prefix + f.name)
+        elif dataclasses.is_dataclass(hints[f.name]):
+            out |= boolean_flags(hints[f.name], f"{prefix}{f.name}.")
+    return out
 
 
 def fail(message: str) -> typing.NoReturn:

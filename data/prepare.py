@@ -688,7 +688,7 @@ def main(argv: list[str] | None = None) -> None:
     from configs.cli import fail, parse
     from configs.errors import UserError
 
-    cfg = parse(PrepareConfig, argv, prog="python -m data.prepare", bool_flags=True)
+    cfg = parse(PrepareConfig, argv, prog="python -m data.prepare", description=__doc__)
     try:
         prepare(cfg)
     except (UserError, OSError) as e:

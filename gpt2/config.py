@@ -30,10 +30,10 @@ class GPT2Config:
     vocab_size: int = GPT2_VOCAB_SIZE  # real vocabulary; ids >= vocab_size never occur
     pad_vocab_to: int = 1  # round V up to a multiple of this (128 keeps matmuls tile-aligned)
     block_size: int = 1024  # maximum sequence length (rows of wpe)
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads (must divide n_embd)
+    n_embd: int = 768  # width D of the residual stream
+    dropout: float = 0.0  # on the embeddings and each residual branch, in [0, 1); 0 for pre-training
     bias: bool = True  # GPT-2 has biases in every Linear and LayerNorm
     layer_norm_epsilon: float = 1e-5  # HF GPT2Config default
     dtype: DType = "float32"  # compute dtype of matmuls and activations

@@ -26,7 +26,7 @@ def k4_run(tmp_path_factory, shakespeare):
     """12 steps, K=4, on 8 devices with a 2×2×2 fsdp_tp mesh, wandb offline, the end-of-run sample on."""
     run_dir = tmp_path_factory.mktemp("k4")
     r = run_cli("train.py", *train_args(run_dir, shakespeare, *FSDP_TP, "--log.wandb=offline",
-                                        "--train.sample_tokens=8"))
+                                        "--train.sample_tokens=8", "--log.param_report"))
     assert r.returncode == 0, r.stderr[-3000:]
     return run_dir, r
 
@@ -56,7 +56,10 @@ def test_cli_run_leaves_metrics_checkpoints_plot_config_and_sample(k4_run):
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((run_dir / "config.json").read_text())["mesh"]["rules"] == "fsdp_tp"
     assert "--- sample ---\nROMEO:" in result.stdout
-    assert "wte.embedding" in result.stdout  # the parameter report
+    assert "wte.embedding" in result.stdout  # the parameter report (--log.param_report)
+    # a start-up summary of a few lines, and where every output went
+    assert result.stdout.startswith(f"run      {run_dir} (new; config.json)\nmodel    ")
+    assert f"outputs: checkpoints {run_dir / 'checkpoints'}/{{4,8,12}}, metrics {run_dir / 'metrics.jsonl'}" in result.stdout
 
 
 @pytest.mark.slow
@@ -436,3 +439,47 @@ def test_refusals_on_resume_name_the_fields(k4_run, shakespeare, tmp_path):
     assert "(optim.lr: 0.002 -> 0.001); keep the old values, or pass --train.reschedule=True" in refused("--optim.lr=1e-3")
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"} == \
         {p: t for p, t in before.items() if p.name != ".lock"}
+
+
+# ---- the command line as documented -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("program, args", [(train_app.main, []), (eval_app.main, []), ("prepare", [])])
+def test_help_documents_every_flag(program, args, monkeypatch):
+    """Every field's flag carries a description (and train.py's --help lists the presets and --aot)."""
+    import re
+
+    from data import prepare
+
+    monkeypatch.setenv("COLUMNS", "80")  # one panel wide: each flag's line, then its description's
+    main = prepare.main if program == "prepare" else program
+    code, out, _ = run_main(main, *args, "--help")
+    assert code == 0
+    lines = [re.sub(r"^[│\s]+|[│\s]+$", "", line) for line in out.splitlines()]
+    flags = [i for i, line in enumerate(lines)
+             if re.match(r"--[a-z][\w.-]*(,| |$)", line) and not line.startswith(("--config", "--aot"))]
+    assert len(flags) > 10
+    for i in flags:  # a description beside the flag, or under it (where a field without one shows its default)
+        beside = re.split(r"\s{2,}", lines[i], maxsplit=1)[1:]
+        text = beside[0] if beside else lines[i + 1]
+        assert text and not re.match(r"\(default|\(required|--\w", text), lines[i]
+    if program is train_app.main:
+        assert "--config NAME" in out and "gpt2_124m, gpt2_medium, gpt2_xl_pod, shakespeare_cpu" in out
+        assert "--aot TOPOLOGY" in out
+
+
+@pytest.mark.parametrize("form", [["--log.progress=false"], ["--log.progress", "False"], ["--log.no_progress"],
+                                  ["--log.no-progress"], ["--log.progress=0"]])
+def test_one_boolean_style_with_every_documented_form(form):
+    """Booleans are tyro's switches in all three programs, and the value forms work as well."""
+    import configs
+    from configs.base import Config
+    from configs.cli import parse
+    from data.prepare import PrepareConfig
+
+    cfg = parse(Config, [*form, "--train.reschedule"], default=configs.load("shakespeare_cpu"), prog="train.py")
+    assert cfg.log.progress is False and cfg.train.reschedule is True
+    for args in (["--overwrite"], ["--overwrite=true"], ["--overwrite", "yes"]):
+        assert parse(PrepareConfig, ["--source", "x", "--out_dir", "y", *args], prog="prepare").overwrite is True
+    assert parse(PrepareConfig, ["--source", "x", "--out_dir", "y", "--no-overwrite"], prog="prepare").overwrite is False
+    assert parse(eval_app.EvalConfig, ["--all=True", "--no-wandb"], prog="eval.py").all is True

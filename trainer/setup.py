@@ -21,30 +21,41 @@ EMBEDDED = "shakespeare"
 
 
 def initialize_distributed(d: DistributedConfig) -> None:
-    """Joins the multi-process job when there is one: explicit settings, JAX_* variables, or a TPU VM."""
+    """Joins the multi-process job when there is one: explicit settings (flags, then JAX_* variables) override
+    JAX's own cluster detection (Cloud TPU VMs and GKE, SLURM, Open MPI, Kubernetes); none of them: one
+    process."""
     address = d.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    timeouts = dict(heartbeat_timeout_seconds=d.heartbeat_timeout_seconds,
+                    initialization_timeout=d.initialization_timeout)
     if address is not None:
-        num = d.num_processes if d.num_processes is not None else int(os.environ["JAX_NUM_PROCESSES"])
-        pid = d.process_id if d.process_id is not None else int(os.environ["JAX_PROCESS_ID"])
+        num = _setting("distributed.num_processes", d.num_processes, "JAX_NUM_PROCESSES")
+        pid = _setting("distributed.process_id", d.process_id, "JAX_PROCESS_ID")
         if os.environ.get("JAX_PLATFORMS", "") == "cpu" or jax.config.jax_platforms == "cpu":
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid,
-                                   heartbeat_timeout_seconds=d.heartbeat_timeout_seconds,
-                                   initialization_timeout=d.initialization_timeout)
-    elif _on_tpu_vm():
-        # auto-detects the pod's hosts from the TPU metadata
-        jax.distributed.initialize(heartbeat_timeout_seconds=d.heartbeat_timeout_seconds,
-                                   initialization_timeout=d.initialization_timeout)
+        jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid, **timeouts)
+    elif _cluster_detected():
+        jax.distributed.initialize(num_processes=d.num_processes, process_id=d.process_id, **timeouts)
 
 
-def _on_tpu_vm() -> bool:
-    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")) and _has_libtpu()
+def _setting(flag: str, value: int | None, variable: str) -> int:
+    if value is not None:
+        return value
+    try:
+        return int(os.environ[variable])
+    except (KeyError, ValueError):
+        raise ConfigError(f"a coordinator address is set, so --{flag} (or {variable}) must be an integer too"
+                          ) from None
 
 
-def _has_libtpu() -> bool:
-    import importlib.util
+def _cluster_detected() -> bool:
+    """Whether one of the cluster environments `jax.distributed.initialize()` knows is present (JAX keeps its
+    list private; without it, only a Cloud TPU VM is recognised)."""
+    try:
+        from jax._src.clusters import ClusterEnv
 
-    return importlib.util.find_spec("libtpu") is not None
+        return any(not env.opt_in_only_method and env.is_env_present() for env in ClusterEnv._cluster_types)
+    except (ImportError, AttributeError):
+        return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def build_mesh(cfg: Config, devices=None) -> Mesh:
