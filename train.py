@@ -286,32 +286,26 @@ def loop(run: Run, state, preemption: "Preemption"):
     cfg, t = run.cfg, run.cfg.train
     call = run.trainer.train_call()
     evaluate = make_evaluator(run)
-    step = int(state["step"])
+    step = first = int(state["step"])
     stop = min(t.steps, t.stop_after or t.steps)
-    tokens_per_step = t.batch_size * t.seq_len
-    flops_per_step = cfg.model.flops_per_token(t.seq_len) * tokens_per_step
     peak = peak_flops_per_device(t.peak_flops) * jax.device_count()
     bar = tqdm(total=t.steps, initial=step, unit="step", disable=not (cfg.log.progress and run.logger.active),
                dynamic_ncols=True)
-    with finishing_saves(run.ckpt):
+    with finishing_saves(run.ckpt), Profile(run) as profile:
         while step < stop:
             n = steps_this_call(step, stop, cfg)
             batches, active = run.next_batches(n)
+            profile.before_call(step, n)
             started = time.perf_counter()
             state, metrics = call(state, batches, active)
             metrics = {k: v[:n] for k, v in jax.device_get(metrics).items()}  # waits: the timing is honest
             elapsed = time.perf_counter() - started
             check_finite(metrics, step, run.ckpt)
-            for i in range(n):
-                step += 1
-                run.logger.log({
-                    "step": step, "loss": float(metrics["loss"][i]), "lr": float(metrics["lr"][i]),
-                    "grad_norm": float(metrics["grad_norm"][i]), "tokens": step * tokens_per_step,
-                    "tokens_per_s": n * tokens_per_step / elapsed, "mfu": n * flops_per_step / elapsed / peak,
-                })
-            bar.update(n)
-            bar.set_postfix(loss=f"{metrics['loss'][-1]:.3f}", tok_s=f"{n * tokens_per_step / elapsed:,.0f}",
-                            mfu=f"{n * flops_per_step / elapsed / peak:.1%}")
+            step = log_call(run, bar, step, metrics, elapsed, peak)
+            profile.after_call(step)
+            if step - n == first:  # the first call compiled: the ETA counts from the calls after it
+                bar.reset(total=t.steps)
+                bar.initial = bar.n = bar.last_print_n = step
             if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
                 evaluate(state["params"], step, bar)
             done = step >= stop or preemption.requested()
@@ -326,6 +320,23 @@ def loop(run: Run, state, preemption: "Preemption"):
     if preemption.requested() and run.logger.active:
         print(f"stopped by {preemption.signal_name} at step {step}; checkpoint saved, restart to resume")
     return state
+
+
+def log_call(run: Run, bar, step: int, metrics: dict, elapsed: float, peak: float) -> int:
+    """Logs a call's steps (metrics.jsonl, wandb, the bar); returns the step reached."""
+    t, n = run.cfg.train, len(metrics["loss"])
+    tokens_per_s = n * t.batch_size * t.seq_len / elapsed
+    mfu = tokens_per_s * run.cfg.model.flops_per_token(t.seq_len) / peak
+    for i in range(n):
+        step += 1
+        run.logger.log({
+            "step": step, "loss": float(metrics["loss"][i]), "lr": float(metrics["lr"][i]),
+            "grad_norm": float(metrics["grad_norm"][i]), "tokens": step * t.batch_size * t.seq_len,
+            "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_flops": peak,
+        })
+    bar.update(n)
+    bar.set_postfix(loss=f"{metrics['loss'][-1]:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{mfu:.1%}")
+    return step
 
 
 def rows_consumed_or_none(run: Run) -> int | None:
@@ -399,6 +410,36 @@ def sample_text(cfg: Config, trainer: Trainer, state) -> str:
     text = sample(trainer.model(state["params"]), prompt, cfg.train.sample_tokens, seed=cfg.train.seed,
                   temperature=0.8, top_k=200)
     return f"--- sample ---\n{text}\n--------------"
+
+
+class Profile:
+    """A `jax.profiler` trace of the calls covering steps [log.profile_start, + log.profile_steps), written to
+    <run_dir>/profile by process 0 (TensorBoard's profile plugin / XProf or Perfetto read it)."""
+
+    def __init__(self, run: Run):
+        log = run.cfg.log
+        self.start, self.end = log.profile_start, (log.profile_start or 0) + log.profile_steps
+        self.directory = run.run_dir / "profile"
+        self.active = log.profile_start is not None and jax.process_index() == 0
+        self.tracing = False
+
+    def __enter__(self):
+        return self
+
+    def before_call(self, step: int, n: int) -> None:
+        if self.active and not self.tracing and step < self.end and step + n >= self.start:
+            jax.profiler.start_trace(str(self.directory))
+            self.tracing = True
+
+    def after_call(self, step: int) -> None:
+        if self.tracing and step >= self.end - 1:
+            self.__exit__()
+            say(f"profile of steps {self.start}-{step}: {self.directory} (tensorboard --logdir {self.directory})")
+
+    def __exit__(self, *exc):
+        if self.tracing:
+            jax.profiler.stop_trace()
+            self.tracing, self.active = False, False
 
 
 class Preemption:

@@ -150,6 +150,9 @@ class LogConfig:
       progress: show a progress bar.
       param_report: also print every parameter's shape, logical axes, partition and bytes per device at
         start-up (the summary gives the totals).
+      profile_start: capture a `jax.profiler` trace from the call that reaches this step (>= 1; None: no trace)
+        into <run_dir>/profile on process 0; open it with TensorBoard's profile plugin / XProf, or Perfetto.
+      profile_steps: steps the trace covers (>= 1; whole calls: rounded up to the calls that contain them).
       show_sharding: also draw this ≤2-D parameter's layout over the devices at start-up
         (`jax.debug.visualize_array_sharding`), e.g. "wte.embedding".
     """
@@ -159,6 +162,8 @@ class LogConfig:
     run_name: str | None = None
     progress: bool = True
     param_report: bool = False
+    profile_start: int | None = None
+    profile_steps: int = 5
     show_sharding: str | None = None
 
 
@@ -218,6 +223,7 @@ def validate(c: Config) -> None:
         "optim.decay_steps": o.decay_steps, "distributed.num_processes": d.num_processes,
         "distributed.heartbeat_timeout_seconds": d.heartbeat_timeout_seconds,
         "distributed.initialization_timeout": d.initialization_timeout,
+        "log.profile_start": c.log.profile_start, "log.profile_steps": c.log.profile_steps,
     }.items():
         _integer(name, value, minimum=1)
     for name, value in {

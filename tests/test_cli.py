@@ -49,7 +49,8 @@ def test_cli_run_leaves_metrics_checkpoints_plot_config_and_sample(k4_run):
     records = read_jsonl(run_dir / "metrics.jsonl")
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))
-    assert set(steps[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"}
+    assert set(steps[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "peak_flops"}
+    assert len({r["peak_flops"] for r in steps}) == 1  # one peak for the whole run: MFUs compare
     assert steps[-1]["tokens"] == 12 * 8 * 32
     assert [r["step"] for r in records if "val_loss" in r] == [4, 8, 12]
     assert checkpoint_steps(run_dir) == [4, 8, 12]
@@ -483,3 +484,19 @@ def test_one_boolean_style_with_every_documented_form(form):
         assert parse(PrepareConfig, ["--source", "x", "--out_dir", "y", *args], prog="prepare").overwrite is True
     assert parse(PrepareConfig, ["--source", "x", "--out_dir", "y", "--no-overwrite"], prog="prepare").overwrite is False
     assert parse(eval_app.EvalConfig, ["--all=True", "--no-wandb"], prog="eval.py").all is True
+
+
+@pytest.mark.slow
+def test_a_profile_is_one_flag_away_and_changes_no_number(k1_run, shakespeare, tmp_path):
+    """`--log.profile_start` writes a jax.profiler trace into the run directory; training is bitwise the same."""
+    code, out, err = run_main(train_app.main, *train_args(tmp_path, shakespeare, "--train.steps=8",
+                                                          "--train.steps_per_call=1", "--log.profile_start=3",
+                                                          "--log.profile_steps=2"))
+    assert code == 0, err[-2000:]
+    traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
+    assert traces and traces[0].stat().st_size > 0
+    assert f"profile of steps 3-4: {tmp_path / 'profile'}" in out
+    code, _, err = run_main(train_app.main, *train_args(tmp_path / "plain", shakespeare, "--train.steps=8",
+                                                        "--train.steps_per_call=1"))
+    assert code == 0, err[-2000:]
+    assert step_losses(tmp_path) == step_losses(tmp_path / "plain")

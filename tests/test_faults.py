@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 # 2 steps per call, a checkpoint after every call (all kept), an evaluation every 8 steps
 FAULT = [*SMALL, "--train.steps=16", "--checkpoint.every=2", "--checkpoint.keep=10", "--train.eval_every=8"]
-TIMING = ("tokens_per_s", "mfu")
+TIMING = ("tokens_per_s", "mfu", "peak_flops")
 
 
 def args(run_dir, shakespeare, *extra):

@@ -3,6 +3,7 @@ dropout and bfloat16 numerics, compile-once and sharding guards, parameters rest
 
 import dataclasses
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -224,6 +225,16 @@ def test_parameters_restore_alone_onto_another_mesh(tmp_path):
 def test_resume_refuses_old_metadata_without_the_batch_grouping(tmp_path):
     with pytest.raises(CheckpointError, match="lacks train.steps_per_call / train.batch_size"):
         realign_data({"config": {"train": {"batch_size": 8}}}, NANO_RUN, None, tmp_path)
+
+
+def test_the_cpu_peak_is_measured_once_per_machine_and_cached(tmp_path, monkeypatch):
+    from trainer import metrics
+
+    calls = []
+    monkeypatch.setattr(metrics, "PEAK_CACHE", str(tmp_path / "peak.json"))
+    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda repeats: calls.append(repeats) or 123e9)
+    assert metrics.cpu_peak_flops() == metrics.cpu_peak_flops() == 123e9
+    assert len(calls) == 1 and "cores | jax " in next(iter(json.loads((tmp_path / "peak.json").read_text())))
 
 
 _HEAP_PROBE = """

@@ -21,15 +21,56 @@ PEAK_FLOPS = {
 }
 
 
+PEAK_CACHE = "~/.cache/gpt2_nnx/cpu_peak_flops.json"
+
+
 def peak_flops_per_device(override: float | None) -> float:
-    """The config's value, a known accelerator's spec, or (CPU) a float32 matmul measured here."""
+    """The config's value, a known accelerator's spec, or (CPU) this machine's float32 matmul peak.
+
+    The CPU peak is measured once per machine (CPU model, core count, JAX version) and cached in PEAK_CACHE,
+    so that MFU compares across runs: timed at each start-up on a busy machine it swung by tens of percent.
+    """
     if override:
         return override
     kind = jax.devices()[0].device_kind
     for name, flops in PEAK_FLOPS.items():
         if kind.startswith(name):
             return flops
-    return measure_matmul_peak() / jax.local_device_count()
+    return cpu_peak_flops() / jax.local_device_count()
+
+
+def cpu_peak_flops() -> float:
+    from etils import epath
+
+    from trainer.run_dir import atomic_write
+
+    path = epath.Path(os.path.expanduser(PEAK_CACHE))
+    key = f"{_cpu_model()} | {os.cpu_count()} cores | jax {jax.__version__}"
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if not isinstance(cache, dict) or not isinstance(cache.get(key), (int, float)):
+        cache = cache if isinstance(cache, dict) else {}
+        cache[key] = measure_matmul_peak(repeats=10)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, json.dumps(cache, indent=2))
+        except OSError:
+            pass  # an unwritable cache only costs the measurement next time
+    return float(cache[key])
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
 
 
 def measure_matmul_peak(n: int = 2048, dtype=np.float32, repeats: int = 5) -> float:
