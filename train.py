@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import sys
@@ -142,6 +143,8 @@ def _train(cfg: Config, mesh, corpus: Corpus, run_dir: RunDir) -> int:
         if jax.process_index() == 0:
             run_dir.record_config(dataclasses.asdict(cfg), start)
             print(summary(run, start, wandb_mode))
+            if cfg.log.print_config:
+                print(json.dumps(dataclasses.asdict(cfg), indent=2))
             if cfg.log.param_report:
                 print(param_report(trainer.model(state["params"]), mesh))
             if cfg.log.show_sharding:

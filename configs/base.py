@@ -148,6 +148,7 @@ class LogConfig:
       project: wandb project.
       run_name: wandb run name (default: the run directory's name).
       progress: show a progress bar.
+      print_config: also print the full effective config at start-up (it is always in config.json).
       param_report: also print every parameter's shape, logical axes, partition and bytes per device at
         start-up (the summary gives the totals).
       profile_start: capture a `jax.profiler` trace from the call that reaches this step (>= 1; None: no trace)
@@ -161,6 +162,7 @@ class LogConfig:
     project: str = "gpt2-nnx"
     run_name: str | None = None
     progress: bool = True
+    print_config: bool = False
     param_report: bool = False
     profile_start: int | None = None
     profile_steps: int = 5

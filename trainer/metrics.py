@@ -103,7 +103,7 @@ def init_wandb(run_dir: RunDir, mode: str, *, project: str, name: str, run_id: s
     import wandb
 
     return wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(run_dir.path), mode=mode,
-                      config=config)
+                      config=config, settings=wandb.Settings(quiet=True))  # its summary tables: in the run
 
 
 class MetricsLogger:
