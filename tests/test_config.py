@@ -122,3 +122,18 @@ def test_every_numeric_field_rejects_nan_inf_and_out_of_range_values(section, na
     changed = dataclasses.replace(getattr(base, section), **{name: bad})
     with pytest.raises(ConfigError, match=f"{section}.{name} must be"):
         dataclasses.replace(base, **{section: changed})
+
+
+def test_multi_host_start_up_uses_jaxs_cluster_detection(monkeypatch):
+    """No flags and no JAX_* variables: a SLURM (or TPU, Open MPI, Kubernetes) job is found by JAX's own
+    detection; a plain machine is one process."""
+    from trainer.setup import _cluster_detected
+
+    for variable in ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST"):
+        monkeypatch.delenv(variable, raising=False)
+    assert not _cluster_detected()
+    slurm = {"SLURM_JOB_ID": "42", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0"}  # what srun sets for each task
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    assert _cluster_detected()
