@@ -133,25 +133,27 @@ def _train(cfg: Config, mesh, corpus: Corpus, run_dir: RunDir) -> int:
     with jax.set_mesh(mesh), library_logs_to(run_dir / "logs"):
         restored = restore(run)
         stop_after = cfg.train.stop_after
-        if not restored.finished and stop_after is not None and stop_after <= restored.step:
+        past_stop = not restored.finished and stop_after is not None and stop_after <= restored.step
+        if past_stop:
             say(f"{run_dir.path}: already at step {restored.step}, train.stop_after={stop_after}; nothing to do")
-        if restored.finished or (stop_after is not None and stop_after <= restored.step):
+        if restored.finished or past_stop:
             run.ckpt.close()
             return 0
         state, saved, start = restored.state, restored.meta, restored.step
         wandb_mode = saved.get("wandb_mode") or resolve_wandb_mode(cfg.log.wandb)
+        config = dataclasses.asdict(cfg)
         if jax.process_index() == 0:
-            run_dir.record_config(dataclasses.asdict(cfg), start)
+            run_dir.record_config(config, start)
             print(summary(run, start, wandb_mode))
             if cfg.log.print_config:
-                print(json.dumps(dataclasses.asdict(cfg), indent=2))
+                print(json.dumps(config, indent=2))
             if cfg.log.param_report:
                 print(param_report(trainer.model(state["params"]), mesh))
             if cfg.log.show_sharding:
                 visualize_param(trainer.model(state["params"]), cfg.log.show_sharding)
         run.logger = MetricsLogger(cfg, run_dir, wandb_id=saved.get("wandb_id"), wandb_mode=wandb_mode,
                                    start_step=start)
-        run.meta = {"config": dataclasses.asdict(cfg), "wandb_id": run.logger.wandb_id, "wandb_mode": wandb_mode,
+        run.meta = {"config": config, "wandb_id": run.logger.wandb_id, "wandb_mode": wandb_mode,
                     "corpus": corpus_identity(corpus)}
         try:
             with Preemption() as preemption:

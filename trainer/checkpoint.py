@@ -24,6 +24,7 @@ from configs.base import CheckpointConfig, Config
 from configs.errors import CheckpointError, DataError, UserError
 from data.loader import position_file, restore_position, rows_consumed, seek
 from trainer.run_dir import storage_errors, warn
+from trainer.setup import barrier
 
 STATE, DATA, META = "state", "data", "meta"
 DAMAGED = "checkpoints.damaged"  # beside checkpoints/: where unreadable checkpoints are moved, never deleted
@@ -130,7 +131,7 @@ class Checkpoints:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 self.path(step).rename(target)
             warn(f"{str(failure).rstrip('.')}; moved it to {target} and trying the previous checkpoint")
-        _barrier(f"move-aside-{step}")
+        barrier(f"move-aside-{step}")
         self.manager.reload()
         return target
 
@@ -182,13 +183,6 @@ def _everywhere_ok(ok: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
-
-
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
 
 
 # ---- what a checkpoint must agree on with the run resuming it ---------------------------------------

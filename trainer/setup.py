@@ -83,7 +83,7 @@ def resolve_corpus(data: DataConfig, *, vocab_size: int, seq_len: int, prepare: 
         directory = Path(data.cache_dir).expanduser()
         if prepare and jax.process_index() == 0:
             prepare_shakespeare(directory, quiet=(directory / "meta.json").exists())
-        _barrier("corpus")
+        barrier("corpus")
     else:
         directory = Path(data.dataset).expanduser()
     return open_corpus(directory, vocab_size=vocab_size, min_tokens=seq_len + 1)
@@ -146,7 +146,8 @@ def library_logs_to(directory) -> Iterator[None]:
             handler.close()
 
 
-def _barrier(name: str) -> None:
+def barrier(name: str) -> None:
+    """Waits for every process (a no-op with one)."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
