@@ -4,6 +4,7 @@
     python eval.py --run_dir runs/shakespeare_cpu --all           # every checkpoint in the run
     python eval.py --run_dir runs/shakespeare_cpu --step 400 --batches 20 --prompt "ROMEO:"
     python eval.py --hf /path/to/hf-gpt2 --dataset /data/owt --out results.json   # HF weights
+    python eval.py --run_dir runs/shakespeare_cpu --tasks hellaswag,lambada_openai  # lm-evaluation-harness
 
 Checkpoints restore onto whatever devices this machine has (any device count or mesh); one jitted loss call
 serves every checkpoint. Results are merged into <run_dir>/eval.json (keyed by step, dataset, seq_len,
@@ -37,14 +38,15 @@ class EvalConfig:
     """Evaluation and sampling.
 
     Attributes:
-      run_dir: a training run directory (with checkpoints/).
+      run_dir: a training run directory (with checkpoints/): a local path or gs://bucket/path.
       hf: instead of a run: a Hugging Face GPT-2 directory (config.json + safetensors), or `hub:NAME` for a
         hub model (where the network allows).
       step: the checkpoint to evaluate (default: the latest).
       all: evaluate every checkpoint in the run.
       batches: validation batches to average (>= 1; default: the whole validation split).
       batch_size: sequences per batch (global, >= 1).
-      seq_len: tokens per sequence (>= 1; default: the run's train.seq_len; HF: 1024 or the model's context).
+      seq_len: tokens per sequence (>= 1; default: the run's train.seq_len; HF: 1024 or the model's context;
+        with --tasks: the longest row lm-eval's requests are cut to, default the model's context).
       dataset: corpus to evaluate on (default: the run's; required with --hf).
       prompt: sample a continuation of this text after evaluating.
       max_new_tokens: tokens to sample (>= 1; prompt + these must fit the model's context).
@@ -52,6 +54,10 @@ class EvalConfig:
       top_k: sample among the k most likely tokens only (>= 1).
       seed: sampling seed (>= 0).
       out: results JSON (default: <run_dir>/eval.json; required with --hf).
+      tasks: instead of the validation loss: lm-evaluation-harness tasks, comma-separated (e.g.
+        hellaswag,lambada_openai; needs the `eval` extra, and a network for the hub's data sets).
+      include_path: a directory of extra lm-eval task YAMLs (with --tasks).
+      limit: lm-eval documents per task (>= 1; default: all).
       wandb: also log to the training run's wandb run, in the mode the run used.
       mesh: the device mesh to evaluate on (independent of the one training used).
     """
@@ -71,6 +77,9 @@ class EvalConfig:
     seed: int = 0
     out: str | None = None
     wandb: bool = True
+    tasks: str | None = None
+    include_path: str | None = None
+    limit: int | None = None
     mesh: MeshConfig = MeshConfig(rules="fsdp")
 
 
@@ -91,18 +100,31 @@ def check_args(cfg: EvalConfig) -> None:
     """Every argument, before any work (flag names as the user typed them)."""
     if (cfg.run_dir is None) == (cfg.hf is None):
         raise ConfigError("give exactly one of --run_dir (a training run) or --hf (Hugging Face weights)")
-    if cfg.hf and (cfg.dataset is None or cfg.out is None):
-        raise ConfigError("--hf needs --dataset (a prepared corpus) and --out (where its results go)")
+    if cfg.hf and ((cfg.dataset is None and not cfg.tasks) or cfg.out is None):
+        raise ConfigError("--hf needs --dataset (a prepared corpus; not with --tasks) and --out (where its results"
+                          " go)")
     if cfg.all and cfg.step is not None:
         raise ConfigError("give --step or --all, not both")
     for flag, value, low in (("--batches", cfg.batches, 1), ("--batch_size", cfg.batch_size, 1),
                              ("--seq_len", cfg.seq_len, 1), ("--max_new_tokens", cfg.max_new_tokens, 1),
-                             ("--top_k", cfg.top_k, 1), ("--seed", cfg.seed, 0), ("--step", cfg.step, 0)):
+                             ("--top_k", cfg.top_k, 1), ("--seed", cfg.seed, 0), ("--step", cfg.step, 0),
+                             ("--limit", cfg.limit, 1)):
         if value is not None and value < low:
             raise ConfigError(f"{flag} must be >= {low}, got {value}")
     if not (math.isfinite(cfg.temperature) and cfg.temperature >= 0):
         raise ConfigError(f"--temperature must be a finite number >= 0, got {cfg.temperature}")
     ShardingRules.preset(cfg.mesh.rules)
+    if cfg.tasks is not None:
+        check_tasks(cfg)
+
+
+def check_tasks(cfg: EvalConfig) -> None:
+    """lm-eval is installed and knows every task (its task index is read here, before any JAX work)."""
+    try:
+        from trainer.lm_eval_backend import task_manager
+    except ImportError:
+        raise ConfigError("--tasks needs lm-evaluation-harness: pip install -e '.[eval]'") from None
+    task_manager(cfg.tasks, cfg.include_path)
 
 
 def evaluate_run(cfg: EvalConfig) -> int:
@@ -125,6 +147,9 @@ def evaluate_run(cfg: EvalConfig) -> int:
             try:
                 check_compatible(ckpt.read_meta(step), run, ckpt.path(step))
                 params = ckpt.restore_params(step, evaluator.abstract_params)
+                if not evaluator.params_finite(params):
+                    raise CheckpointError(f"{ckpt.path(step)}: its parameters are not finite (saved by a run"
+                                          " that diverged); evaluate an earlier checkpoint")
                 records.append(evaluate(cfg, evaluator, params, corpus, seq_len, step=step, dataset=dataset))
             except CheckpointError as e:
                 if not cfg.all:
@@ -192,12 +217,18 @@ def setup(cfg: EvalConfig, model_config, data: DataConfig, seq_len: int):
         prompt_ids(cfg, model_config.block_size)
     mesh = checked_mesh(cfg.mesh, cfg.batch_size, batch_flag=f"--batch_size={cfg.batch_size}")
     evaluator = Evaluator.build(model_config, mesh, ShardingRules.preset(cfg.mesh.rules))
-    corpus = resolve_corpus(data, vocab_size=model_config.vocab_size, seq_len=seq_len)
+    corpus = None if cfg.tasks else resolve_corpus(data, vocab_size=model_config.vocab_size, seq_len=seq_len)
     return evaluator, corpus, seq_len
 
 
 def evaluate(cfg: EvalConfig, evaluator: Evaluator, params, corpus, seq_len: int, **key) -> dict:
     """One result record: the key (step or model, and the settings that change the number) and the figures."""
+    if cfg.tasks:  # lm-eval's figures instead of the validation loss; the context is the model's
+        from trainer.lm_eval_backend import evaluate_tasks
+
+        return evaluate_tasks(evaluator, params, tasks=cfg.tasks, include_path=cfg.include_path, limit=cfg.limit,
+                              batch_size=cfg.batch_size, max_length=cfg.seq_len or evaluator.model_config.block_size,
+                              **{k: v for k, v in key.items() if k != "dataset"})
     batches = val_dataset(corpus, vocab_size=evaluator.model_config.vocab_size, seq_len=seq_len,
                           batch_size=cfg.batch_size, num_epochs=1)
     loss, n = evaluator.mean_loss(params, batches, cfg.batches)
@@ -206,7 +237,8 @@ def evaluate(cfg: EvalConfig, evaluator: Evaluator, params, corpus, seq_len: int
         raise ConfigError(f"{corpus.directory}: the validation split holds fewer than --batch_size={cfg.batch_size}"
                           f" windows of --seq_len={seq_len} tokens; lower them")
     if not math.isfinite(loss):
-        raise CheckpointError(f"{where}: validation loss is {loss} (the parameters are not finite)")
+        raise CheckpointError(f"{where}: validation loss is {loss}: the model's numbers overflow; evaluate an"
+                              " earlier checkpoint")
     settings = {**key, "seq_len": seq_len, "batch_size": cfg.batch_size, "batches": cfg.batches or "all"}
     record = {"key": ",".join(f"{k}={v}" for k, v in settings.items()), **settings, "val_loss": loss,
               "perplexity": math.exp(loss), "batches_evaluated": n, "tokens": n * cfg.batch_size * seq_len}
@@ -254,7 +286,10 @@ def log_to_wandb(cfg: EvalConfig, run: Config, meta: dict, records: list[dict]) 
     wandb_run.define_metric("eval/step")
     wandb_run.define_metric("eval/*", step_metric="eval/step")
     for r in sorted(records, key=lambda r: r["step"]):
-        wandb_run.log({"eval/step": r["step"], "eval/val_loss": r["val_loss"], "eval/perplexity": r["perplexity"]})
+        figures = {f"{task}/{name}": value for task, metrics in r.get("lm_eval", {}).items()
+                   for name, value in metrics.items()}
+        figures.update({k: r[k] for k in ("val_loss", "perplexity") if k in r})
+        wandb_run.log({"eval/step": r["step"], **{f"eval/{k}": v for k, v in figures.items()}})
     wandb_run.finish()
 
 

@@ -31,12 +31,14 @@ from gpt2.config import ConfigError as ModelConfigError
 from gpt2.sharded_init import param_report, visualize_param
 from trainer.checkpoint import (Checkpoints, check_compatible, check_same_data, check_same_schedule,
                                 realign_data)
+from trainer import init_from
 from trainer.evaluation import encode_prompt, sample
 from trainer.malloc import keep_freed_memory
 from trainer.metrics import MetricsLogger, peak_flops_per_device, resolve_wandb_mode
 from trainer.run_dir import RunDir
 from trainer.setup import (build_mesh, initialize_distributed, library_logs_to, resolve_corpus,
                            train_loader_config, val_dataset)
+from trainer.spike_guard import without_streak
 from trainer.trainer import Trainer
 
 
@@ -55,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     topology, argv = pop_option(argv, "--aot")
     try:
         cfg = parse(Config, argv, default=configs.load(name or configs.DEFAULT), prog="train.py", description=usage())
+        cfg = init_from.resolve(cfg, argv)  # --init_from: the architecture of the HF checkpoint
         if topology:
             from trainer.aot import run_aot
 
@@ -152,12 +155,13 @@ def _train(cfg: Config, mesh, corpus: Corpus, run_dir: RunDir) -> int:
             if cfg.log.show_sharding:
                 visualize_param(trainer.model(state["params"]), cfg.log.show_sharding)
         run.logger = MetricsLogger(cfg, run_dir, wandb_id=saved.get("wandb_id"), wandb_mode=wandb_mode,
-                                   start_step=start)
+                                   start_step=start, rollbacks=saved.get("rollbacks", 0))
+        run.ckpt.before_save(run.logger.sync)  # a checkpoint's records are durable before it can exist
         run.meta = {"config": config, "wandb_id": run.logger.wandb_id, "wandb_mode": wandb_mode,
-                    "corpus": corpus_identity(corpus)}
+                    "corpus": corpus_identity(corpus), "rollbacks": saved.get("rollbacks", 0)}
         try:
             with Preemption() as preemption:
-                state = loop(run, state, preemption)
+                state = Loop(run, state, preemption).run_to_stop()
             if int(state["step"]) >= cfg.train.steps and cfg.train.sample_tokens:
                 text = sample_text(cfg, trainer, state)  # every process: the parameters may span them all
                 say(text)
@@ -199,7 +203,7 @@ def outputs(run: Run, wandb_mode: str) -> str:
     steps = ",".join(str(s) for s in run.ckpt.all_steps())
     where = f"checkpoints {d / 'checkpoints'}/{{{steps}}}, metrics {d / 'metrics.jsonl'}, plot {d / 'loss.png'}"
     if wandb_mode == "offline":
-        where += f", wandb offline (upload: wandb sync {d / 'wandb'}/offline-run-*)"
+        where += f", wandb offline (upload: wandb sync {run.run_dir.local / 'wandb'}/offline-run-*)"
     return f"outputs: {where}"
 
 
@@ -258,13 +262,15 @@ def restore(run: Run) -> Restored:
             return None
         check_same_data(saved, cfg, corpus_identity(run.corpus), run.ckpt.path(step))
         check_same_schedule(saved, cfg, run.ckpt.path(step))
-        state = run.ckpt.restore(step, trainer.abstract_state(), run.train_iter)
+        state = restore_state(run, step, saved, run.train_iter)
         realign_data(saved, cfg, run.train_iter, run.ckpt.path(step))
         return state
 
     found = run.ckpt.restore_latest(attempt)
     if found is None:
-        return Restored(0, trainer.init_state())
+        if cfg.init_from:
+            say(f"initialized from {cfg.init_from} (Hugging Face weights; fresh optimizer)")
+        return Restored(0, trainer.init_state(init_from.load_params(cfg, trainer)))
     step, saved, state = found
     if state is None:
         say(f"{run.run_dir.path}: already finished at step {step}; train.steps={cfg.train.steps}"
@@ -272,6 +278,13 @@ def restore(run: Run) -> Restored:
         return Restored(step, finished=True)
     say(f"resumed from {run.ckpt.path(step)}")
     return Restored(step, state, saved)
+
+
+def restore_state(run: Run, step: int, saved: dict, iterator=None) -> dict:
+    """The checkpoint's train state (and, given an iterator, its data position), fitted to this run's guard."""
+    guarded = saved["config"].get("guard", {}).get("skip_spikes", False)
+    state = run.ckpt.restore(step, run.trainer.abstract_state(guard=guarded), iterator)
+    return run.trainer.with_guard_stats(state)
 
 
 # ---- the loop --------------------------------------------------------------------------------------
@@ -287,44 +300,99 @@ def steps_this_call(step: int, stop: int, cfg: Config) -> int:
     return min(ends) - step
 
 
-def loop(run: Run, state, preemption: "Preemption"):
-    cfg, t = run.cfg, run.cfg.train
-    call = run.trainer.train_call()
-    evaluate = make_evaluator(run)
-    step = first = int(state["step"])
-    stop = min(t.steps, t.stop_after or t.steps)
-    peak = peak_flops_per_device(t.peak_flops) * jax.device_count()
-    bar = tqdm(total=t.steps, initial=step, unit="step", disable=not (cfg.log.progress and run.logger.active),
-               dynamic_ncols=True)
-    with finishing_saves(run.ckpt), Profile(run) as profile:
-        while step < stop:
-            n = steps_this_call(step, stop, cfg)
-            batches, active = run.next_batches(n)
-            profile.before_call(step, n)
-            started = time.perf_counter()
-            state, metrics = call(state, batches, active)
-            metrics = {k: v[:n] for k, v in jax.device_get(metrics).items()}  # waits: the timing is honest
-            elapsed = time.perf_counter() - started
-            check_finite(metrics, step, run.ckpt)
-            step = log_call(run, bar, step, metrics, elapsed, peak)
-            profile.after_call(step)
-            if step - n == first:  # the first call compiled: the ETA counts from the calls after it
-                bar.reset(total=t.steps)
-                bar.initial = bar.n = bar.last_print_n = step
-            if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-                evaluate(state["params"], step, bar)
-            done = step >= stop or preemption.requested()
-            if step % cfg.checkpoint.every == 0 or done:
-                with save_errors(run.ckpt):
-                    run.ckpt.save(step, state, run.train_iter, {**run.meta, "data_rows": rows_consumed_or_none(run)})
-            if done:
-                break
-        bar.close()
-        with save_errors(run.ckpt):
-            run.ckpt.wait()
-    if preemption.requested() and run.logger.active:
-        print(f"stopped by {preemption.signal_name} at step {step}; checkpoint saved, restart to resume")
-    return state
+@dataclasses.dataclass
+class Call:
+    """A dispatched train call whose metrics the host has not read yet."""
+
+    step: int  # the step it starts from
+    n: int  # the steps it takes
+    metrics: dict  # device arrays: read one call late
+    batches: jax.Array  # [K, B, T+1]: its last batch probes the state before a save
+    dispatched: float  # time.perf_counter() at dispatch
+
+
+class Loop:
+    """The host's side of training. JAX dispatches asynchronously, so the host reads and transfers call n+1's
+    batches and dispatches it while call n runs, then reads call n's metrics (logged one call late). At an
+    evaluation, a checkpoint, the stop step or a preemption the loop waits for the call instead, so those happen
+    at exactly their steps; train.async_calls=False waits after every call."""
+
+    def __init__(self, run: Run, state, preemption: "Preemption"):
+        self.run, self.cfg, self.state, self.preemption = run, run.cfg, state, preemption
+        t = run.cfg.train
+        self.step = self.first = int(state["step"])  # the step the state reaches when the dispatched calls end
+        self.stop = min(t.steps, t.stop_after or t.steps)
+        self.peak = peak_flops_per_device(t.peak_flops) * jax.device_count()
+        self.bar = tqdm(total=t.steps, initial=self.step, unit="step", dynamic_ncols=True,
+                        disable=not (run.cfg.log.progress and run.logger.active))
+        self.calls, self.last_ready = 0, 0.0
+        self.evaluate = make_evaluator(run)
+
+    def run_to_stop(self):
+        call, pending = self.run.trainer.train_call(), None
+        with finishing_saves(self.run.ckpt), Profile(self.run) as self.profile:
+            while self.step < self.stop:
+                n = steps_this_call(self.step, self.stop, self.cfg)
+                batches, active = self.run.next_batches(n)  # while the previous call runs on the devices
+                self.profile.before_call(self.step, n)
+                self.state, metrics = call(self.state, batches, active)
+                dispatched = Call(self.step, n, metrics, batches, time.perf_counter())
+                self.step += n
+                if pending is not None and not self.finish(pending):
+                    pending = None  # rolled back: the call just dispatched is abandoned with it
+                    continue
+                pending = dispatched
+                saving, done = self.boundary()
+                if saving or done or not self.cfg.train.async_calls or self.at_eval():
+                    pending = None
+                    if self.finish(dispatched, probe=saving):
+                        self.checkpoint_and_evaluate(saving)
+                        if done:
+                            break
+            self.bar.close()
+            with save_errors(self.run.ckpt):
+                self.run.ckpt.wait()
+        if self.preemption.signal_name and self.run.logger.active:
+            print(f"stopped by {self.preemption.signal_name} at step {self.step}; checkpoint saved, restart to resume")
+        return self.state
+
+    def boundary(self) -> tuple[bool, bool]:
+        """(save a checkpoint at self.step, stop there); every process asks at every call (preemption is agreed
+        on by all of them)."""
+        self.calls += 1
+        preempted = self.preemption.requested(self.calls)
+        done = self.step >= self.stop or preempted
+        return self.step % self.cfg.checkpoint.every == 0 or done, done
+
+    def at_eval(self) -> bool:
+        t = self.cfg.train
+        return bool(t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps
+
+    def finish(self, c: Call, *, probe: bool = False) -> bool:
+        """Reads a call's metrics, checks them and logs them; False when the run rolled back instead."""
+        metrics = {k: v[: c.n] if np.ndim(v) else v for k, v in jax.device_get(c.metrics).items()}  # waits
+        ready = time.perf_counter()
+        elapsed, self.last_ready = ready - max(c.dispatched, self.last_ready), ready
+        problem = health(self.run, self.state, metrics, c.step, c.batches[c.n - 1] if probe else None)
+        if problem is not None:
+            self.state, self.step = roll_back(self.run, problem, self.step, self.bar)
+            self.last_ready = 0.0
+            return False
+        reached = log_call(self.run, self.bar, c.step, metrics, elapsed, self.peak)
+        self.profile.after_call(reached)
+        if c.step == self.first:  # the first call compiled: the ETA counts from the calls after it
+            self.bar.reset(total=self.cfg.train.steps)
+            self.bar.initial = self.bar.n = self.bar.last_print_n = reached
+        return True
+
+    def checkpoint_and_evaluate(self, saving: bool) -> None:
+        run = self.run
+        if self.at_eval():
+            self.evaluate(self.state["params"], self.step, self.bar)
+        if saving:
+            with save_errors(run.ckpt):
+                run.ckpt.save(self.step, self.state, run.train_iter,
+                              {**run.meta, "data_rows": rows_consumed_or_none(run)})
 
 
 def log_call(run: Run, bar, step: int, metrics: dict, elapsed: float, peak: float) -> int:
@@ -334,14 +402,25 @@ def log_call(run: Run, bar, step: int, metrics: dict, elapsed: float, peak: floa
     mfu = tokens_per_s * run.cfg.model.flops_per_token(t.seq_len) / peak
     for i in range(n):
         step += 1
-        run.logger.log({
-            "step": step, "loss": float(metrics["loss"][i]), "lr": float(metrics["lr"][i]),
-            "grad_norm": float(metrics["grad_norm"][i]), "tokens": step * t.batch_size * t.seq_len,
+        record = {
+            "step": step, "loss": number(metrics["loss"][i]), "lr": float(metrics["lr"][i]),
+            "grad_norm": number(metrics["grad_norm"][i]), "tokens": step * t.batch_size * t.seq_len,
             "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_flops": peak,
-        })
+        }
+        if run.trainer.guarded:
+            record["skipped"] = int(metrics["skipped"][i])
+            if record["skipped"] and run.logger.active:
+                bar.write(f"step {step}: update skipped by the spike guard (loss {record['loss']}, grad_norm"
+                          f" {record['grad_norm']})")
+        run.logger.log(record)
     bar.update(n)
     bar.set_postfix(loss=f"{metrics['loss'][-1]:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{mfu:.1%}")
     return step
+
+
+def number(x) -> float | None:
+    """A metric for JSON: None for a non-finite value (a step the spike guard skipped)."""
+    return float(x) if np.isfinite(x) else None
 
 
 def rows_consumed_or_none(run: Run) -> int | None:
@@ -395,19 +474,65 @@ def make_evaluator(run: Run):
     return evaluate
 
 
-def check_finite(metrics: dict, step: int, ckpt: Checkpoints) -> None:
-    """Stops the run at the first non-finite loss or gradient norm; nothing of it is saved."""
+# ---- numerical safety ------------------------------------------------------------------------------
+
+
+def health(run: Run, state, metrics: dict, step: int, probe_batch) -> str | None:
+    """None when the call's state may be trained on (and saved); otherwise what is wrong with it.
+
+    The train call reports whether its final state is finite; before a save, the saved parameters' loss on the
+    call's last batch must be finite too (huge but finite weights pass the first check and overflow in the
+    next forward pass). With the spike guard a non-finite step is skipped, not fatal, and a streak of skipped
+    steps asks for a rollback.
+    """
     bad = ~(np.isfinite(metrics["loss"]) & np.isfinite(metrics["grad_norm"]))
-    if bad.any():
-        first = step + int(np.argmax(bad)) + 1
-        with save_errors(ckpt):
-            ckpt.wait()  # the newest checkpoint may still be in flight
-        steps = ckpt.all_steps()
-        where = f"last good checkpoint: {ckpt.path(steps[-1])}" if steps else "no checkpoint yet"
-        raise Diverged(
-            f"training diverged at step {first} (loss {metrics['loss'][bad][0]}, grad_norm"
-            f" {metrics['grad_norm'][bad][0]}); {where}"
-        )
+    if bad.any() and not run.trainer.guarded:
+        i = int(np.argmax(bad))
+        return (f"training diverged at step {step + i + 1} (loss {metrics['loss'][i]}, grad_norm"
+                f" {metrics['grad_norm'][i]})")
+    n = len(metrics["loss"])
+    if not metrics["state_finite"]:
+        return f"training diverged: the parameters or optimizer moments are not finite after step {step + n}"
+    g = run.cfg.guard
+    if run.trainer.guarded and g.rollback_after is not None and (metrics["streak"] >= g.rollback_after).any():
+        at = step + int(np.argmax(metrics["streak"] >= g.rollback_after)) + 1
+        return f"the spike guard skipped {g.rollback_after} steps in a row (steps {at - g.rollback_after + 1}-{at})"
+    if probe_batch is not None and not np.isfinite(float(run.trainer.evaluator.loss_call(state["params"],
+                                                                                         probe_batch))):
+        return f"training diverged: the parameters after step {step + n} give a non-finite loss"
+    return None
+
+
+def roll_back(run: Run, problem: str, abandoned_to: int, bar) -> tuple[dict, int]:
+    """Restores the newest checkpoint and moves the data `guard.rollback_skip` batches past the batches the
+    abandoned steps (up to abandoned_to, the calls already dispatched) read: the iterator is already past them.
+    Without a rollback to take, stops the run."""
+    g = run.cfg.guard
+    with save_errors(run.ckpt):
+        run.ckpt.wait()  # the newest checkpoint may still be in flight
+    steps = run.ckpt.all_steps()
+    where = f"last good checkpoint: {run.ckpt.path(steps[-1])}" if steps else "no checkpoint yet"
+    if g.rollback_after is None:
+        raise Diverged(f"{problem}; {where}")
+    if not steps or run.meta["rollbacks"] >= g.max_rollbacks:
+        why = "no checkpoint to roll back to" if not steps else f"guard.max_rollbacks={g.max_rollbacks} reached"
+        raise Diverged(f"{problem}; {why}; {where}")
+    back = steps[-1]
+    state = restore_state(run, back, run.ckpt.read_meta(back))
+    if run.trainer.guarded:
+        state["guard"] = without_streak(state["guard"])
+    for _ in range(g.rollback_skip):
+        next(run.train_iter)
+    # metrics.jsonl keeps the trajectory the parameters took (as after a resume), and a record of the rollback
+    run.logger.rewind(back, run.meta["rollbacks"])
+    run.meta["rollbacks"] += 1
+    run.logger.log({"step": back, "rollback": run.meta["rollbacks"], "reason": problem,
+                    "abandoned": [back + 1, abandoned_to], "data_skipped": g.rollback_skip})
+    bar.reset(total=run.cfg.train.steps)
+    bar.initial = bar.n = bar.last_print_n = back
+    say(f"{problem}; rolled back to {run.ckpt.path(back)} (rollback {run.meta['rollbacks']} of"
+        f" {g.max_rollbacks}), the data continues {g.rollback_skip} batches past the abandoned steps' batches")
+    return state, back
 
 
 def sample_text(cfg: Config, trainer: Trainer, state) -> str:
@@ -448,13 +573,21 @@ class Profile:
 
 
 class Preemption:
-    """Turns SIGTERM / SIGINT into "save a checkpoint at the end of this call and exit 0"."""
+    """Turns SIGTERM / SIGINT into "save a checkpoint at the end of a call and exit 0".
+
+    One process: a signal handler sets a flag. Several: JAX's preemption sync point (the coordination service
+    sees SIGTERM through its own handler, agrees with every process on a call by which all of them stop, and
+    `reached_preemption_sync_point` says when that call is reached; Orbax's `reached_preemption` uses the same).
+    SIGINT (Ctrl-C) is turned into a SIGTERM to this process so that it takes the same path.
+    """
 
     def __init__(self):
         self.signal_name = None
+        self.multiprocess = jax.process_count() > 1
 
     def __enter__(self):
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        signals = (signal.SIGINT,) if self.multiprocess else (signal.SIGTERM, signal.SIGINT)
+        self._previous = {s: signal.signal(s, self._handle) for s in signals}
         return self
 
     def __exit__(self, *exc):
@@ -462,16 +595,19 @@ class Preemption:
             signal.signal(s, handler)
 
     def _handle(self, signum, frame):
-        self.signal_name = signal.Signals(signum).name
+        if self.multiprocess:
+            os.kill(os.getpid(), signal.SIGTERM)  # JAX's handler: the stop is agreed with the other processes
+        else:
+            self.signal_name = signal.Signals(signum).name
 
-    def requested(self) -> bool:
-        flag = self.signal_name is not None
-        if jax.process_count() > 1:  # every process must stop at the same step
+    def requested(self, call: int) -> bool:
+        """Whether to stop after call number `call` (1, 2, ... in this start; every process asks at every call)."""
+        if self.multiprocess:
             from jax.experimental import multihost_utils
 
-            flag = bool(np.any(multihost_utils.process_allgather(np.array(flag))))
-            self.signal_name = self.signal_name or ("SIGTERM" if flag else None)
-        return flag
+            if multihost_utils.reached_preemption_sync_point(call):
+                self.signal_name = "SIGTERM"
+        return self.signal_name is not None
 
 
 if __name__ == "__main__":

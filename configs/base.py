@@ -102,6 +102,9 @@ class TrainConfig:
       peak_flops: per-device peak FLOP/s for MFU (finite, > 0; default: looked up from the device kind).
       stop_after: end this invocation (with a checkpoint) at this step (>= 1), without changing the
         schedule; a later start resumes towards `steps` (time-boxed jobs).
+      async_calls: dispatch call n+1 before reading call n's metrics, so the devices never wait for the host's
+        logging, data reading and host-to-device copy (metrics are logged one call late; evaluations,
+        checkpoints, the stop step and preemption still wait for their call). False: wait after every call.
       reschedule: allow a resumed run to change the learning-rate schedule (train.steps without a fixed
         optim.decay_steps, optim.lr, min_lr_ratio, warmup_steps, decay_steps): the rate then jumps to the
         new schedule's value at the resumed step. Without it such a resume is refused.
@@ -119,6 +122,7 @@ class TrainConfig:
     sample_tokens: int = 100
     peak_flops: float | None = None
     stop_after: int | None = None
+    async_calls: bool = True
     reschedule: bool = False
 
 
@@ -192,21 +196,66 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GuardConfig:
+    """Numerical safety beyond the check that always runs (a non-finite train state is never saved).
+
+    The spike guard skips, inside the scanned train call, the update of a step whose loss or gradient norm is
+    an outlier: its residual against the quantity's moving level (the trend) lies more than `z_loss` /
+    `z_grad_norm` standard deviations above the residuals of the steps it accepted (llm.c's `-sl` / `-sg`
+    outlier skip, made robust to the falling trend of the loss; see trainer/spike_guard.py). A skipped step
+    leaves the parameters and optimizer state unchanged but still consumes its batch and its step number (the
+    optimizer's own count, and so the learning-rate schedule, moves with applied updates only). A step with a
+    non-finite loss or gradient norm, or whose update would make the state non-finite, is always skipped while
+    the guard is on. The running statistics are part of the checkpoint.
+
+    Attributes:
+      skip_spikes: turn the spike guard on.
+      z_loss: loss outlier threshold in standard deviations (finite, > 0).
+      z_grad_norm: gradient-norm (before clipping) outlier threshold in standard deviations (finite, > 0).
+      decay: decay of the residuals' moving mean and variance, in (0, 1) (0.99: about the last 100 accepted
+        steps).
+      warmup: accepted steps before the thresholds apply (>= 2; the statistics need a few residuals).
+      rollback_after: after this many consecutive skipped steps (>= 1), or at once when the train state is
+        not finite, restore the newest checkpoint and continue with the data `rollback_skip` batches past the
+        ones the abandoned steps read (PaLM, Chowdhery et al. 2022, section 5.1). None: no rollback; a
+        non-finite state then stops the run.
+      rollback_skip: batches skipped after the abandoned steps' batches at a rollback (>= 0).
+      max_rollbacks: rollbacks one run may take (>= 1); one more stops the run.
+    """
+
+    skip_spikes: bool = False
+    z_loss: float = 6.0
+    z_grad_norm: float = 6.0
+    decay: float = 0.99
+    warmup: int = 100
+    rollback_after: int | None = None
+    rollback_skip: int = 100
+    max_rollbacks: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """Everything a training run needs.
 
     Attributes:
       run_dir: the run directory: checkpoints, metrics.jsonl, loss.png, config.json, logs and wandb files; a
-        start on a directory holding checkpoints resumes from them.
+        start on a directory holding checkpoints resumes from them. A local path or gs://bucket/path (the
+        gcs extra).
+      init_from: start a new run from GPT-2 weights: a Hugging Face directory (config.json + safetensors, e.g.
+        from `python -m tools.export_hf`) or `hub:NAME` (e.g. hub:openai-community/gpt2). Its config.json sets
+        the model's architecture (a contradicting --model.* flag is an error); the optimizer starts fresh. A
+        run directory holding checkpoints resumes from them, not from these weights.
     """
 
     run_dir: str = "runs/default"
+    init_from: str | None = None
     model: GPT2Config = GPT2Config.tiny()
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    guard: GuardConfig = GuardConfig()
     log: LogConfig = LogConfig()
     distributed: DistributedConfig = DistributedConfig()
 
@@ -226,12 +275,15 @@ def validate(c: Config) -> None:
         "distributed.heartbeat_timeout_seconds": d.heartbeat_timeout_seconds,
         "distributed.initialization_timeout": d.initialization_timeout,
         "log.profile_start": c.log.profile_start, "log.profile_steps": c.log.profile_steps,
+        "guard.rollback_after": c.guard.rollback_after, "guard.max_rollbacks": c.guard.max_rollbacks,
     }.items():
         _integer(name, value, minimum=1)
+    _integer("guard.warmup", c.guard.warmup, minimum=2)
     for name, value in {
         "train.eval_every": t.eval_every, "train.sample_tokens": t.sample_tokens, "train.seed": t.seed,
         "optim.warmup_steps": o.warmup_steps, "data.num_workers": c.data.num_workers,
         "data.prefetch": c.data.prefetch, "data.seed": c.data.seed, "distributed.process_id": d.process_id,
+        "guard.rollback_skip": c.guard.rollback_skip,
     }.items():
         _integer(name, value, minimum=0)
     for name, value in {"mesh.data": c.mesh.data, "mesh.fsdp": c.mesh.fsdp, "mesh.tensor": c.mesh.tensor}.items():
@@ -245,6 +297,9 @@ def validate(c: Config) -> None:
     _real("optim.min_lr_ratio", o.min_lr_ratio, low=0, high=1)
     _real("optim.b1", o.b1, low=0, high=1, high_open=True)
     _real("optim.b2", o.b2, low=0, high=1, high_open=True)
+    _real("guard.z_loss", c.guard.z_loss, low=0, low_open=True)
+    _real("guard.z_grad_norm", c.guard.z_grad_norm, low=0, low_open=True)
+    _real("guard.decay", c.guard.decay, low=0, high=1, low_open=True, high_open=True)
     if t.peak_flops is not None:
         _real("train.peak_flops", t.peak_flops, low=0, low_open=True)
     if t.seq_len > c.model.block_size:

@@ -9,7 +9,7 @@ all-gathers FSDP would add. bfloat16 compute with float32 parameters; no remat i
 micro-batch.
 """
 
-from configs.base import CheckpointConfig, Config, DataConfig, MeshConfig, OptimConfig, TrainConfig
+from configs.base import CheckpointConfig, Config, DataConfig, GuardConfig, MeshConfig, OptimConfig, TrainConfig
 from gpt2.config import GPT2Config
 
 CONFIG = Config(
@@ -23,4 +23,6 @@ CONFIG = Config(
     ),
     mesh=MeshConfig(data=-1, fsdp=1, tensor=1, rules="dp"),
     checkpoint=CheckpointConfig(every=1000, keep=3, keep_every=5000),
+    # skip loss spikes; after 16 skipped steps in a row, roll back and skip 200 batches (PaLM skipped 200-500)
+    guard=GuardConfig(skip_spikes=True, rollback_after=16, rollback_skip=200),
 )

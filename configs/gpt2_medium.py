@@ -7,7 +7,7 @@ of 8 sequences per chip need ~38 GB (the AOT report says so); full remat of each
 for fitting with room to spare.
 """
 
-from configs.base import CheckpointConfig, Config, DataConfig, MeshConfig, OptimConfig, TrainConfig
+from configs.base import CheckpointConfig, Config, DataConfig, GuardConfig, MeshConfig, OptimConfig, TrainConfig
 from gpt2.config import GPT2Config
 
 CONFIG = Config(
@@ -21,4 +21,6 @@ CONFIG = Config(
     ),
     mesh=MeshConfig(data=1, fsdp=-1, tensor=1, rules="fsdp"),
     checkpoint=CheckpointConfig(every=1000, keep=3, keep_every=5000),
+    # skip loss spikes; after 16 skipped steps in a row, roll back and skip 200 batches (PaLM skipped 200-500)
+    guard=GuardConfig(skip_spikes=True, rollback_after=16, rollback_skip=200),
 )

@@ -7,11 +7,11 @@ the remaining factor 4 is plain data parallelism. Full remat of each block keeps
 the 16 GB HBM.
 """
 
-from configs.base import CheckpointConfig, Config, DataConfig, MeshConfig, OptimConfig, TrainConfig
+from configs.base import CheckpointConfig, Config, DataConfig, GuardConfig, MeshConfig, OptimConfig, TrainConfig
 from gpt2.config import GPT2Config
 
 CONFIG = Config(
-    run_dir="runs/gpt2_xl",  # on a pod: shared storage every host sees (a gcsfuse / NFS mount)
+    run_dir="runs/gpt2_xl",  # on a pod: storage every host sees: gs://bucket/path (README) or an NFS mount
     model=GPT2Config.gpt2_xl(pad_vocab_to=128, dtype="bfloat16", scan_layers=True, remat="full"),
     data=DataConfig(dataset="/data/fineweb", num_workers=8, prefetch=4),
     optim=OptimConfig(lr=2e-4, warmup_steps=1000, min_lr_ratio=0.1),
@@ -21,4 +21,6 @@ CONFIG = Config(
     ),
     mesh=MeshConfig(data=4, fsdp=-1, tensor=1, rules="fsdp"),
     checkpoint=CheckpointConfig(every=500, keep=2, keep_every=5000),
+    # skip loss spikes; after 16 skipped steps in a row, roll back and skip 200 batches (PaLM skipped 200-500)
+    guard=GuardConfig(skip_spikes=True, rollback_after=16, rollback_skip=200),
 )

@@ -33,3 +33,24 @@ def get_tokenizer() -> tiktoken.Encoding:
     )
     assert enc.n_vocab == VOCAB_SIZE, enc.n_vocab
     return enc
+
+
+def save_hf_tokenizer(out_dir, *, model_max_length: int) -> None:
+    """Writes `tokenizer.json` + `tokenizer_config.json` that `transformers.AutoTokenizer` loads and that encode
+    exactly as `get_tokenizer()` (tested on unicode, whitespace runs, code and <|endoftext|>).
+
+    The BPE comes from the same hash-checked rank file through transformers' own `TikTokenConverter`. Its
+    default split pattern is not GPT-2's (it encodes some whitespace and contractions differently), so
+    tiktoken's r50k pattern is passed explicitly. Needs the `hf` extra.
+    """
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    get_tokenizer()  # checks the rank file's hash
+    eot = "<|endoftext|>"
+    bpe = TikTokenConverter(vocab_file=str(RANKS_FILE), pattern=r50k_pat_str, extra_special_tokens=[eot]).converted()
+    assert bpe.token_to_id(eot) == EOT, bpe.token_to_id(eot)
+    # GPT-2's own tokenizer uses <|endoftext|> as bos, eos and unk, and has no padding token
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=eot, eos_token=eot, unk_token=eot,
+                                        model_max_length=model_max_length, clean_up_tokenization_spaces=False)
+    tokenizer.save_pretrained(str(out_dir))

@@ -1,8 +1,9 @@
 """Orbax checkpoints of a run: train state, data-iterator state, and metadata (config, wandb run, data
 position, corpus identity).
 
-Orbax writes each step into a temporary directory and renames it when complete, so `all_steps()` only ever
-sees whole checkpoints; a run killed mid-save restarts from the previous one. A checkpoint that is complete
+Orbax writes each step into a temporary directory and renames it when complete (on GCS, which cannot rename,
+it writes `<step>/commit_success.txt` last), so `all_steps()` only ever sees whole checkpoints; a run killed
+mid-save restarts from the previous one. A checkpoint that is complete
 but damaged afterwards (a truncated or deleted file, garbled metadata, a foreign directory) is moved aside
 by `restore_latest`, which then falls back to the newest one that restores.
 """
@@ -23,7 +24,7 @@ from etils import epath
 from configs.base import CheckpointConfig, Config
 from configs.errors import CheckpointError, DataError, UserError
 from data.loader import position_file, restore_position, rows_consumed, seek
-from trainer.run_dir import storage_errors, warn
+from trainer.run_dir import absolute, move, storage_errors, warn
 from trainer.setup import barrier
 
 STATE, DATA, META = "state", "data", "meta"
@@ -34,10 +35,9 @@ class Checkpoints:
     """The run's `checkpoints/` directory."""
 
     def __init__(self, run_dir: str | os.PathLike, cfg: CheckpointConfig, *, read_only: bool = False):
-        run_dir = epath.Path(run_dir)
-        if "://" not in str(run_dir):
-            run_dir = epath.Path(os.path.abspath(run_dir))  # Orbax wants absolute paths
+        run_dir = absolute(run_dir)  # Orbax wants absolute paths
         self.run_dir = run_dir
+        self._before_save: list[Callable[[], None]] = []
         self.directory = run_dir / "checkpoints"
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep,
@@ -56,7 +56,14 @@ class Checkpoints:
     def path(self, step: int) -> epath.Path:
         return self.directory / str(step)
 
+    def before_save(self, hook: Callable[[], None]) -> None:
+        """Calls `hook` before each save: what must be durable before a checkpoint can exist (metrics.jsonl's
+        records up to its step, which a resume from it keeps)."""
+        self._before_save.append(hook)
+
     def save(self, step: int, state: Any, iterator, meta: dict) -> None:
+        for hook in self._before_save:
+            hook()
         args = {STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}
         if iterator is not None:
             args[DATA] = grain.checkpoint.CheckpointSave(iterator)
@@ -128,8 +135,7 @@ class Checkpoints:
         target = self.run_dir / DAMAGED / f"{step}-{stamp}"
         if jax.process_index() == 0:
             with storage_errors("move a damaged checkpoint to", target):
-                target.parent.mkdir(parents=True, exist_ok=True)
-                self.path(step).rename(target)
+                move(self.path(step), target)
             warn(f"{str(failure).rstrip('.')}; moved it to {target} and trying the previous checkpoint")
         barrier(f"move-aside-{step}")
         self.manager.reload()

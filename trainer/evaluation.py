@@ -21,6 +21,7 @@ from gpt2.config import GPT2Config
 from gpt2.model import GPT2, next_token_loss
 from gpt2.sharded_init import abstract_model
 from gpt2.sharding import ShardingRules, batch_sharding, named_shardings
+from trainer.spike_guard import all_finite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,9 @@ class Evaluator:
         batch = batch_sharding(mesh, rules, ndim=2)
         loss = jax.jit(lambda p, b: next_token_loss(nnx.merge(graphdef, p), b), in_shardings=(shardings, batch))
         return cls(model_config, mesh, rules, graphdef, shardings, abstract, batch, loss)
+
+    def params_finite(self, params: nnx.State) -> bool:
+        return bool(jax.jit(all_finite)(params))
 
     def model(self, params: nnx.State) -> GPT2:
         return nnx.merge(self.graphdef, params)

@@ -97,19 +97,22 @@ def resolve_wandb_mode(requested: str) -> str:
 
 
 def init_wandb(run_dir: RunDir, mode: str, *, project: str, name: str, run_id: str | None, config=None):
-    """The run's wandb run (resumed when `run_id` is given), files under run_dir/wandb; None when disabled."""
+    """The run's wandb run (resumed when `run_id` is given), files under run_dir/wandb (for a run on cloud
+    storage: under its local directory, RunDir.local); None when disabled."""
     if mode == "disabled":
         return None
     import wandb
 
-    return wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(run_dir.path), mode=mode,
+    run_dir.local.mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(run_dir.local), mode=mode,
                       config=config, settings=wandb.Settings(quiet=True))  # its summary tables: in the run
 
 
 class MetricsLogger:
     """Writes per-step and per-eval records. A no-op on every process but 0."""
 
-    def __init__(self, config: Config, run_dir: RunDir, *, wandb_id: str | None, wandb_mode: str, start_step: int):
+    def __init__(self, config: Config, run_dir: RunDir, *, wandb_id: str | None, wandb_mode: str, start_step: int,
+                 rollbacks: int = 0):
         self.active = jax.process_index() == 0
         self.run_dir = run_dir
         self.history: list[dict] = []
@@ -117,7 +120,7 @@ class MetricsLogger:
         self.wandb_id = wandb_id
         if not self.active:
             return
-        self.history, self.file = run_dir.open_metrics(start_step)
+        self.history, self.file = run_dir.open_metrics(start_step, rollbacks)
         self.wandb = init_wandb(run_dir, wandb_mode, project=config.log.project,
                                 name=config.log.run_name or run_dir.path.name, run_id=wandb_id,
                                 config=dataclasses.asdict(config))
@@ -133,6 +136,22 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
+    def rewind(self, step: int, rollbacks: int) -> None:
+        """Drops the records after `step` from metrics.jsonl (a rollback to that step's checkpoint). wandb keeps
+        what it has: its steps only increase, so it ignores the redone steps (as after a resume)."""
+        if not self.active:
+            return
+        with storage_errors("write", self.run_dir / "metrics.jsonl"):
+            self.file.close()
+        self.history, self.file = self.run_dir.open_metrics(step, rollbacks)
+
+    def sync(self) -> None:
+        """Makes every record logged so far durable (on cloud storage they are appended in batches): called
+        before each checkpoint save, since a resume from that checkpoint keeps the records up to its step."""
+        if self.active:
+            with storage_errors("write", self.run_dir / "metrics.jsonl"):
+                self.file.sync()
+
     def plot(self) -> None:
         """runs/<name>/loss.png: training loss per step and validation loss per evaluation."""
         if not self.active or not self.history:
@@ -142,7 +161,7 @@ class MetricsLogger:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        train = [(r["step"], r["loss"]) for r in self.history if "loss" in r]
+        train = [(r["step"], r["loss"]) for r in self.history if r.get("loss") is not None]
         val = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
         fig, ax = plt.subplots(figsize=(7, 4))
         if train:

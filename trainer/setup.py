@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -16,6 +17,7 @@ from data.loader import Corpus, LoaderConfig, make_dataset, open_corpus
 from data.prepare import prepare_shakespeare
 from configs.errors import ConfigError
 from gpt2.sharding import make_mesh
+from trainer.run_dir import append, is_remote, oserror_reason, warn
 
 EMBEDDED = "shakespeare"
 
@@ -79,6 +81,10 @@ def checked_mesh(m: MeshConfig, rows: int, *, batch_flag: str, devices=None) -> 
 
 def resolve_corpus(data: DataConfig, *, vocab_size: int, seq_len: int, prepare: bool = True) -> Corpus:
     """The configured corpus, validated; the embedded one is tokenized on first use."""
+    if is_remote(data.dataset):
+        raise ConfigError(f"data.dataset={data.dataset!r}: token files are read from a local or mounted directory"
+                          " (memory-mapped, random access); mount the bucket with gcsfuse and pass the mount's path"
+                          " (README, Training on a TPU pod)")
     if data.dataset == EMBEDDED:
         directory = Path(data.cache_dir).expanduser()
         if prepare and jax.process_index() == 0:
@@ -108,16 +114,24 @@ def val_dataset(corpus: Corpus, *, vocab_size: int, seq_len: int, batch_size: in
 
 @contextlib.contextmanager
 def library_logs_to(directory) -> Iterator[None]:
-    """Sends library log records (absl / Python logging: Orbax, Grain, JAX) to <directory>/process_<i>.log
-    instead of the console, where a failing background write would print hundreds of lines before the one
-    line that says what happened. A log that cannot be written (full disk) is dropped silently."""
+    """Sends library log records (absl / Python logging: Orbax, Grain, JAX, gcsfs) to
+    <directory>/process_<i>.log instead of the console, where a failing background write would print hundreds
+    of lines before the one line that says what happened. A log that cannot be written (full disk) is dropped
+    silently. On cloud storage the records go to a local temporary file that is appended to the log object
+    at exit (a process killed with -9 leaves it in the temporary directory instead)."""
     import logging
 
     from absl import logging as absl_logging
 
+    name = f"process_{jax.process_index()}.log"
+    local, failing = None, False
     try:
-        directory.mkdir(exist_ok=True)  # inside an existing run directory only
-        handler = logging.FileHandler(str(directory / f"process_{jax.process_index()}.log"), delay=True)
+        if is_remote(directory):
+            local = os.path.join(tempfile.gettempdir(), f"gpt2-nnx-{os.getpid()}-{name}")  # made at the first record
+            handler = logging.FileHandler(local, delay=True)
+        else:
+            directory.mkdir(exist_ok=True)  # inside an existing run directory only
+            handler = logging.FileHandler(str(directory / name), delay=True)
     except OSError:
         handler = logging.NullHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -134,6 +148,7 @@ def library_logs_to(directory) -> Iterator[None]:
         # Failing: background threads (Orbax's writers) may still log their side of it; they must not reach
         # the console either, so the console handlers stay detached.
         root.addHandler(logging.NullHandler())
+        failing = True
         raise
     else:
         for h in saved[0]:
@@ -144,6 +159,20 @@ def library_logs_to(directory) -> Iterator[None]:
         root.removeHandler(handler)
         with contextlib.suppress(OSError):
             handler.close()
+        if local is not None:
+            _upload_log(local, directory / name, quiet=failing)
+
+
+def _upload_log(local: str, target, *, quiet: bool) -> None:
+    """Appends a local log file to its object and removes it; a log that cannot be uploaded stays local (said
+    in a warning, unless the run is failing: then its own error is the one line to print)."""
+    try:
+        if os.path.exists(local):
+            append(target, Path(local).read_bytes())
+            os.remove(local)
+    except Exception as e:  # noqa: BLE001 - a storage error here must not replace the run's own outcome
+        if not quiet:
+            warn(f"library logs not uploaded to {target} ({oserror_reason(e)}); they are in {local}")
 
 
 def barrier(name: str) -> None:

@@ -1,0 +1,51 @@
+"""train.py's host loop: call n+1 is dispatched before call n's metrics are read, and nothing a run produces
+depends on it (the loop that waits after every call is the reference)."""
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import train as train_app
+from conftest import SMALL, checkpoint_steps, read_jsonl, run_main
+
+pytestmark = pytest.mark.slow
+
+# calls of 2 steps; an evaluation every 4 and a checkpoint every 6 steps: most calls overlap the next one
+LOOP = [*SMALL, "--train.steps=12", "--train.eval_every=4", "--checkpoint.every=6", "--checkpoint.keep=5"]
+
+
+def run(run_dir, shakespeare, *extra):
+    code, _, err = run_main(train_app.main, "--run_dir", str(run_dir), f"--data.cache_dir={shakespeare}", *LOOP,
+                            *extra)
+    assert code == 0, err[-2000:]
+
+
+def saved_state(run_dir, step):
+    """The checkpoint's whole train state (parameters, Adam moments, step, RNG key) as host arrays."""
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        return jax.device_get(checkpointer.restore(run_dir / "checkpoints" / str(step) / "state"))
+
+
+def test_the_async_loop_dispatches_ahead_and_changes_nothing(tmp_path, shakespeare, monkeypatch):
+    events = []
+    next_batches, finish = train_app.Run.next_batches, train_app.Loop.finish
+    monkeypatch.setattr(train_app.Run, "next_batches", lambda self, n: events.append("fetch") or next_batches(self, n))
+    monkeypatch.setattr(train_app.Loop, "finish",
+                        lambda self, c, **kw: events.append(f"read {c.step + c.n}") or finish(self, c, **kw))
+    run(tmp_path / "async", shakespeare)
+    # the batches of the call to step 2 are fetched (and that call dispatched) before step 2's metrics are read;
+    # the calls ending at an evaluation (4, 8, 12) or a checkpoint (6) are waited for
+    assert events[:4] == ["fetch", "fetch", "read 2", "read 4"]
+    assert events.index("read 10") > events.index("fetch", events.index("read 8") + 1)
+
+    run(tmp_path / "sync", shakespeare, "--train.async_calls=False")
+    timing = ("tokens_per_s", "mfu")
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in timing} for r in rs]  # noqa: E731
+    assert strip(read_jsonl(tmp_path / "async" / "metrics.jsonl")) == strip(read_jsonl(tmp_path / "sync" /
+                                                                                        "metrics.jsonl"))
+    assert checkpoint_steps(tmp_path / "async") == checkpoint_steps(tmp_path / "sync") == [6, 12]
+    for step in (6, 12):
+        a, b = saved_state(tmp_path / "async", step), saved_state(tmp_path / "sync", step)
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

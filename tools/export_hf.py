@@ -1,0 +1,97 @@
+"""Export a checkpoint of a training run as a Hugging Face GPT-2 directory, tokenizer included.
+
+    python -m tools.export_hf --run_dir runs/shakespeare_cpu --out runs/shakespeare_cpu/hf             # latest
+    python -m tools.export_hf --run_dir runs/shakespeare_cpu --step 400 --out exports/shakespeare-400
+
+The directory holds `config.json` + `model.safetensors` (gpt2/hf.py) and `tokenizer.json` +
+`tokenizer_config.json` (data/tokenizer.py, encoding exactly as training's tiktoken tokenizer), so
+`GPT2LMHeadModel.from_pretrained`, `AutoTokenizer.from_pretrained` and `pipeline("text-generation", ...)` load it
+offline; `train.py --init_from` and `eval.py --hf` read it back. Needs the `hf` extra. Runs as one process; the
+parameters are restored onto one device of this machine (any device count or mesh the run trained on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from configs.base import CheckpointConfig
+from configs.cli import fail, parse
+from configs.errors import CheckpointError, ConfigError, UserError
+from gpt2.config import ConfigError as ModelConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    """Export a checkpoint to Hugging Face format.
+
+    Attributes:
+      run_dir: a training run directory (with checkpoints/).
+      out: the directory to write (must not exist yet, or be empty).
+      step: the checkpoint to export (default: the latest).
+    """
+
+    run_dir: str
+    out: str
+    step: int | None = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse(ExportConfig, argv, prog="python -m tools.export_hf", description=__doc__)
+        export(cfg.run_dir, cfg.out, step=cfg.step)
+    except (UserError, ModelConfigError) as e:
+        fail(str(e))
+    return 0
+
+
+def export(run_dir: str, out: str, *, step: int | None = None) -> Path:
+    """Writes checkpoint `step` (default: the latest) of `run_dir` to `out`; returns `out`."""
+    out_dir = Path(out)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConfigError(f"--out {out_dir}: exists and is not an empty directory; choose a new one")
+    if step is not None and step < 0:
+        raise ConfigError(f"--step must be >= 0, got {step}")
+    try:
+        import transformers  # noqa: F401 - the tokenizer files are written by transformers
+    except ImportError:
+        raise ConfigError("export needs the `hf` extra: pip install -e '.[hf]'") from None
+
+    import jax
+
+    from data.tokenizer import VOCAB_SIZE, save_hf_tokenizer
+    from eval import config_from_meta
+    from gpt2.hf import to_hf
+    from gpt2.sharding import ShardingRules, make_mesh
+    from trainer.checkpoint import Checkpoints
+    from trainer.evaluation import Evaluator
+    from trainer.run_dir import RunDir
+    from trainer.setup import library_logs_to
+
+    with library_logs_to(RunDir(run_dir) / "logs"):  # Orbax's notes on read-only checkpoints
+        ckpt = Checkpoints(run_dir, CheckpointConfig(), read_only=True)
+        steps = ckpt.all_steps() if ckpt.directory.exists() else []
+        if not steps:
+            raise CheckpointError(f"{ckpt.directory}: no checkpoints to export")
+        if step is not None and step not in steps:
+            raise CheckpointError(f"{ckpt.directory}: no checkpoint at step {step}; steps: {steps}")
+        step = steps[-1] if step is None else step
+        model_config = config_from_meta(ckpt.read_meta(step), ckpt.path(step)).model
+        if model_config.vocab_size != VOCAB_SIZE:
+            raise ConfigError(f"{ckpt.path(step)}: model.vocab_size={model_config.vocab_size} is not GPT-2's"
+                              f" {VOCAB_SIZE}; the GPT-2 tokenizer files would not fit it")
+        # one device: to_hf gathers every parameter to the host anyway
+        evaluator = Evaluator.build(model_config, make_mesh(devices=jax.devices()[:1]), ShardingRules.preset("dp"))
+        with jax.set_mesh(evaluator.mesh):
+            params = ckpt.restore_params(step, evaluator.abstract_params)
+        ckpt.close()
+    to_hf(evaluator.model(params), out_dir)
+    save_hf_tokenizer(out_dir, model_max_length=model_config.block_size)
+    print(f"exported {ckpt.path(step)} to {out_dir} (config.json, model.safetensors, tokenizer.json,"
+          " tokenizer_config.json)")
+    return out_dir
+
+
+if __name__ == "__main__":
+    sys.exit(main())
