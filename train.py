@@ -375,6 +375,7 @@ class Loop:
         elapsed, self.last_ready = ready - max(c.dispatched, self.last_ready), ready
         problem = health(self.run, self.state, metrics, c.step, c.batches[c.n - 1] if probe else None)
         if problem is not None:
+            self.state = None  # the abandoned calls' state: free it before a checkpoint's is restored beside it
             self.state, self.step = roll_back(self.run, problem, self.step, self.bar)
             self.last_ready = 0.0
             return False
@@ -412,6 +413,9 @@ def log_call(run: Run, bar, step: int, metrics: dict, elapsed: float, peak: floa
             if record["skipped"] and run.logger.active:
                 bar.write(f"step {step}: update skipped by the spike guard (loss {record['loss']}, grad_norm"
                           f" {record['grad_norm']})")
+                if int(metrics["streak"][i]) == run.cfg.guard.warmup:
+                    bar.write(f"step {step}: {run.cfg.guard.warmup} steps in a row skipped (guard.warmup): the loss"
+                              " or gradient norm moved to a new level; the spike guard restarts its statistics")
         run.logger.log(record)
     bar.update(n)
     bar.set_postfix(loss=f"{metrics['loss'][-1]:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{mfu:.1%}")
@@ -578,12 +582,14 @@ class Preemption:
     One process: a signal handler sets a flag. Several: JAX's preemption sync point (the coordination service
     sees SIGTERM through its own handler, agrees with every process on a call by which all of them stop, and
     `reached_preemption_sync_point` says when that call is reached; Orbax's `reached_preemption` uses the same).
-    SIGINT (Ctrl-C) is turned into a SIGTERM to this process so that it takes the same path.
+    SIGINT (Ctrl-C) is turned into a SIGTERM to this process so that it takes the same path; a second
+    Ctrl-C stops at once (KeyboardInterrupt), for a run that hangs.
     """
 
     def __init__(self):
         self.signal_name = None
         self.multiprocess = jax.process_count() > 1
+        self.interrupted = False
 
     def __enter__(self):
         signals = (signal.SIGINT,) if self.multiprocess else (signal.SIGTERM, signal.SIGINT)
@@ -595,6 +601,9 @@ class Preemption:
             signal.signal(s, handler)
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.interrupted:  # a second Ctrl-C: stop now (a run that hangs)
+            raise KeyboardInterrupt
+        self.interrupted = signum == signal.SIGINT
         if self.multiprocess:
             os.kill(os.getpid(), signal.SIGTERM)  # JAX's handler: the stop is agreed with the other processes
         else:

@@ -214,7 +214,8 @@ class GuardConfig:
       z_grad_norm: gradient-norm (before clipping) outlier threshold in standard deviations (finite, > 0).
       decay: decay of the residuals' moving mean and variance, in (0, 1) (0.99: about the last 100 accepted
         steps).
-      warmup: accepted steps before the thresholds apply (>= 2; the statistics need a few residuals).
+      warmup: accepted steps before the thresholds apply (>= 3; the statistics need a few residuals). As
+        many skipped steps in a row restart the statistics (a new level, not a spike) and this warm-up.
       rollback_after: after this many consecutive skipped steps (>= 1), or at once when the train state is
         not finite, restore the newest checkpoint and continue with the data `rollback_skip` batches past the
         ones the abandoned steps read (PaLM, Chowdhery et al. 2022, section 5.1). None: no rollback; a
@@ -278,7 +279,7 @@ def validate(c: Config) -> None:
         "guard.rollback_after": c.guard.rollback_after, "guard.max_rollbacks": c.guard.max_rollbacks,
     }.items():
         _integer(name, value, minimum=1)
-    _integer("guard.warmup", c.guard.warmup, minimum=2)
+    _integer("guard.warmup", c.guard.warmup, minimum=3)
     for name, value in {
         "train.eval_every": t.eval_every, "train.sample_tokens": t.sample_tokens, "train.seed": t.seed,
         "optim.warmup_steps": o.warmup_steps, "data.num_workers": c.data.num_workers,

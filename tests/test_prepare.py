@@ -264,6 +264,12 @@ def test_errors_are_one_line_naming_the_path_or_flag(tmp_path, capsys, make_sour
     assert not (tmp_path / "out" / "meta.json").exists()
 
 
+def test_a_bucket_out_dir_is_refused_in_one_line(tmp_path, capsys):
+    _write(tmp_path / "d.jsonl", [{"text": "x"}])
+    line = _error(capsys, "--source", tmp_path / "d.jsonl", "--out_dir", "gs://bucket/corpus")
+    assert "--out_dir gs://bucket/corpus: token files are written to" in line and "gcsfuse" in line
+
+
 def test_undecodable_text_names_the_byte_or_is_replaced(tmp_path, capsys):
     good = "".join(json.dumps({"text": t}) + "\n" for t in _docs(30)).encode()
     (tmp_path / "d.jsonl").write_bytes(good + b'{"text": "bad \xff byte"}\n')

@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def export(run_dir: str, out: str, *, step: int | None = None) -> Path:
     """Writes checkpoint `step` (default: the latest) of `run_dir` to `out`; returns `out`."""
+    if "://" in out:
+        raise ConfigError(f"--out {out}: export writes to a local directory; copy it to the bucket afterwards")
     out_dir = Path(out)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ConfigError(f"--out {out_dir}: exists and is not an empty directory; choose a new one")
@@ -66,7 +68,7 @@ def export(run_dir: str, out: str, *, step: int | None = None) -> Path:
     from gpt2.sharding import ShardingRules, make_mesh
     from trainer.checkpoint import Checkpoints
     from trainer.evaluation import Evaluator
-    from trainer.run_dir import RunDir
+    from trainer.run_dir import RunDir, storage_errors
     from trainer.setup import library_logs_to
 
     with library_logs_to(RunDir(run_dir) / "logs"):  # Orbax's notes on read-only checkpoints
@@ -86,8 +88,9 @@ def export(run_dir: str, out: str, *, step: int | None = None) -> Path:
         with jax.set_mesh(evaluator.mesh):
             params = ckpt.restore_params(step, evaluator.abstract_params)
         ckpt.close()
-    to_hf(evaluator.model(params), out_dir)
-    save_hf_tokenizer(out_dir, model_max_length=model_config.block_size)
+    with storage_errors("write", out_dir):
+        to_hf(evaluator.model(params), out_dir)
+        save_hf_tokenizer(out_dir, model_max_length=model_config.block_size)
     print(f"exported {ckpt.path(step)} to {out_dir} (config.json, model.safetensors, tokenizer.json,"
           " tokenizer_config.json)")
     return out_dir

@@ -44,8 +44,8 @@ def resolve(cfg: Config, argv: list[str]) -> Config:
 
 
 def load_params(cfg: Config, trainer) -> nnx.State | None:
-    """The weights of `cfg.init_from` in the trainer's parameter shardings (each device reads only its
-    shards); None without --init_from."""
+    """The weights of `cfg.init_from` in the trainer's parameter shardings (every host reads the whole file,
+    each device receives only its shards); None without --init_from."""
     if cfg.init_from is None:
         return None
     others = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model) if f.name not in ARCHITECTURE}

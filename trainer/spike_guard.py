@@ -44,7 +44,9 @@ def is_outlier(cfg: GuardConfig, stats: GuardStats, loss: jax.Array, grad_norm: 
     def z(q, x):  # one-sided: a loss falling faster than usual is no reason to skip
         mean = stats[f"{q}_m1"] / weight
         var = jnp.maximum(stats[f"{q}_m2"] / weight - mean**2, 0.0)
-        return (x - stats[f"{q}_level"] - mean) / jnp.sqrt(jnp.maximum(var, 1e-12))
+        # a spread of at least 0.1 % of the level: a few near-identical residuals must not make noise a spike
+        std = jnp.maximum(jnp.sqrt(var), 1e-3 * jnp.abs(stats[f"{q}_level"]) + 1e-6)
+        return (x - stats[f"{q}_level"] - mean) / std
 
     armed = stats["accepted"] >= cfg.warmup
     return armed & ((z("loss", loss) > cfg.z_loss) | (z("grad", grad_norm) > cfg.z_grad_norm))
@@ -66,9 +68,14 @@ def update_stats(cfg: GuardConfig, stats: GuardStats, loss: jax.Array, grad_norm
         old = {"level": level, "m1": m1, "m2": m2}
         new |= {f"{q}_{k}": jnp.where(skipped, old[k], moved[k]) for k in moved}
     one = jnp.ones((), jnp.int32)
-    return new | {"accepted": stats["accepted"] + jnp.where(skipped, 0, one),
-                  "skipped": stats["skipped"] + jnp.where(skipped, one, 0),
-                  "streak": jnp.where(skipped, stats["streak"] + 1, 0)}
+    streak = jnp.where(skipped, stats["streak"] + 1, 0)
+    accepted = stats["accepted"] + jnp.where(skipped, 0, one)
+    # `warmup` skips in a row: the quantity has moved to a new level rather than spiked (skipped steps never
+    # move the statistics, so they would never adapt); start them again, warming up from the next step
+    regime = streak >= cfg.warmup
+    new = {k: jnp.where(regime, jnp.zeros_like(v), v) for k, v in new.items()}
+    return new | {"accepted": jnp.where(regime, 0, accepted),
+                  "skipped": stats["skipped"] + jnp.where(skipped, one, 0), "streak": streak}
 
 
 def without_streak(stats: GuardStats) -> GuardStats:
