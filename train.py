@@ -521,8 +521,11 @@ def roll_back(run: Run, problem: str, abandoned_to: int, bar) -> tuple[dict, int
     if not steps or run.meta["rollbacks"] >= g.max_rollbacks:
         why = "no checkpoint to roll back to" if not steps else f"guard.max_rollbacks={g.max_rollbacks} reached"
         raise Diverged(f"{problem}; {why}; {where}")
-    back = steps[-1]
-    state = restore_state(run, back, run.ckpt.read_meta(back))
+    # the newest checkpoint that restores (a damaged one is moved aside, as at start-up)
+    found = run.ckpt.restore_latest(lambda step, saved: restore_state(run, step, saved))
+    if found is None:
+        raise Diverged(f"{problem}; no checkpoint to roll back to")
+    back, _, state = found
     if run.trainer.guarded:
         state["guard"] = without_streak(state["guard"])
     for _ in range(g.rollback_skip):

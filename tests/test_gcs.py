@@ -142,6 +142,7 @@ def local_run(tmp_path_factory, shakespeare):
     return run_dir
 
 
+@pytest.mark.slow  # whole runs through train.main
 def test_a_gs_run_equals_the_same_run_on_a_local_disk(gcs, gs_run, local_run):
     steps = [2, 4, 6]
     assert [p for p in steps if object_exists(gcs, f"ref/checkpoints/{p}/commit_success.txt")] == steps
@@ -156,6 +157,7 @@ def test_a_gs_run_equals_the_same_run_on_a_local_disk(gcs, gs_run, local_run):
     assert not object_exists(gcs, "ref/metrics.jsonl.part-" + f"{socket.gethostname()}-{os.getpid()}")
 
 
+@pytest.mark.slow  # whole runs through train.main
 def test_eval_reads_a_gs_run_and_writes_eval_json_there(gcs, gs_run):
     code, out, err = run_main(eval_app.main, "--run_dir", gs_run, "--batches=2")
     assert code == 0, err[-3000:]

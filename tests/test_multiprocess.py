@@ -106,11 +106,13 @@ def test_sigterm_to_one_process_saves_everywhere_at_one_step_and_resumes(two_pro
     assert len(steps) == 1 and 4 <= steps[0] < 400
     data = sorted(p.name for p in (tmp_path / "checkpoints" / str(steps[0]) / "data").glob("process_*"))
     assert data == ["process_0-of-2.json", "process_1-of-2.json"]
-    # the restart continues from that step with the losses of an uninterrupted run of as many steps (the
-    # 8-step 2-process run, or, when the signal landed later, a 1-process run in-process)
+    # the restart (one process here, in-process: any process count resumes) continues from that step with the
+    # losses of an uninterrupted run of as many steps (the 8-step 2-process run, or, when the signal landed
+    # later, a 1-process run)
     total = max(8, steps[0] + 2)
-    resumed = launch(tmp_path, shakespeare, f"--train.steps={total}")
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    code, out, err = run_main(train_app.main, "--run_dir", str(tmp_path), f"--data.cache_dir={shakespeare}", *COMMON,
+                              f"--train.steps={total}", "--train.sample_tokens=0")
+    assert code == 0 and "resumed from" in out, err[-3000:]
     if total == 8:
         expected = losses(two_process_run[0])
     else:

@@ -60,15 +60,6 @@ def params_equal(a, b) -> bool:
 # ---- the train call -------------------------------------------------------------------------------
 
 
-def test_guard_without_a_spike_is_bitwise_the_unguarded_call():
-    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    plain, plain_metrics = run(NANO, mesh, [BATCHES])
-    guard, guard_metrics = run(guarded(NANO, warmup=3), mesh, [BATCHES])
-    assert params_equal(plain, guard)
-    assert np.array_equal(plain_metrics[0]["loss"], guard_metrics[0]["loss"])
-    assert not guard_metrics[0]["skipped"].any() and bool(plain_metrics[0]["state_finite"])
-
-
 def test_a_skipped_step_is_no_step_for_any_k_on_a_sharded_mesh(monkeypatch):
     """A NaN gradient at step 3 on a 2x2x2 mesh (data, fsdp, tensor): the guarded run (one K=4 call, and four
     K=1 calls) ends with the parameters of an unguarded run that never saw batch 3 (the optimizer's count, and
@@ -87,13 +78,18 @@ def test_a_skipped_step_is_no_step_for_any_k_on_a_sharded_mesh(monkeypatch):
         assert max(diff) <= 1e-6 and int(state["step"]) == 4 and int(state["guard"]["skipped"]) == 1
 
 
-def test_a_lasting_new_level_restarts_the_guard_instead_of_skipping_forever(monkeypatch):
-    """Gradients 100x larger from step 5 on: steps 5-7 are skipped, and `warmup` (3) skips in a row restart the
-    statistics, so step 8 is taken at the new level."""
+def test_the_guard_is_bitwise_a_no_op_until_a_lasting_new_level_restarts_it(monkeypatch):
+    """Gradients 100x larger from step 5 on. Steps 1-4 (nothing to skip) are bitwise the unguarded call's;
+    steps 5-7 are skipped, and `warmup` (3) skips in a row restart the statistics, so step 8 is taken at the
+    new level instead of every later step being skipped."""
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    plain, (plain_metrics,) = run(NANO, mesh, [BATCHES])
     monkeypatch.setattr(Trainer, "_gradient_hook", lambda self, grads, step: jax.tree.map(
         lambda g: jnp.where(step + 1 >= 5, 100 * g, g), grads))
-    batches = np.random.RandomState(1).randint(0, 96, (8, 8, 17)).astype(np.int32)
-    state, (metrics,) = run(guarded(NANO, warmup=3), make_mesh(1, 1, 1, devices=jax.devices()[:1]), [batches])
+    more = np.random.RandomState(1).randint(0, 96, (4, 8, 17)).astype(np.int32)
+    state, (metrics,) = run(guarded(NANO, warmup=3), mesh, [np.concatenate([BATCHES, more])])
+    np.testing.assert_array_equal(metrics["loss"][:4], plain_metrics["loss"])  # each loss: the params before it
+    assert np.array_equal(metrics["grad_norm"][:4], plain_metrics["grad_norm"]) and bool(plain_metrics["state_finite"])
     assert metrics["skipped"].tolist() == [0, 0, 0, 0, 1, 1, 1, 0]
     assert int(state["guard"]["accepted"]) == 1 and int(state["guard"]["streak"]) == 0
 
@@ -121,6 +117,7 @@ def evaluates_finite(run_dir) -> None:
         assert code == 0, err[-2000:]
 
 
+@pytest.mark.slow  # whole runs through train.main
 @pytest.mark.parametrize("extra, nan_at, saved", [
     (["--optim.lr=300"], None, []),  # the issue's case: checkpoint 5 held NaN parameters
     (["--optim.lr=1e30", "--train.steps_per_call=1", "--checkpoint.every=1"], None, []),  # finite, then overflow
@@ -140,6 +137,7 @@ def test_a_diverging_run_leaves_only_finite_checkpoints(tmp_path, shakespeare, m
     evaluates_finite(tmp_path)
 
 
+@pytest.mark.slow
 def test_eval_refuses_non_finite_parameters_and_all_goes_on(tmp_path, shakespeare):
     """A checkpoint with a NaN parameter (written by hand: training no longer writes one) is one error line;
     --all evaluates the others, keeps their results and exits non-zero."""
@@ -197,6 +195,7 @@ def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
 
 
+@pytest.mark.slow
 def test_the_guard_skips_exactly_the_planted_spike(tmp_path, shakespeare, poisoned):
     code, _, err = spike_run(tmp_path / "clean", shakespeare)
     assert code == 0, err[-2000:]
@@ -214,6 +213,7 @@ def test_the_guard_skips_exactly_the_planted_spike(tmp_path, shakespeare, poison
 ROLLBACK = ["--guard.rollback_after=2", "--guard.rollback_skip=3"]
 
 
+@pytest.mark.slow
 def test_rollback_restores_the_checkpoint_and_skips_the_window_and_resumes_exactly_after_a_kill(
         tmp_path, poisoned):
     """Two skips in a row at steps 22-23 roll back to checkpoint 16; the data moves past the call's batches
