@@ -163,7 +163,7 @@ def test_eval_refuses_non_finite_parameters_and_all_goes_on(tmp_path, shakespear
 
 # ---- the spike guard and rollback on a corpus with a planted spike -------------------------------------
 
-SPIKE = [*SMALL, "--train.steps=32", "--train.steps_per_call=4", "--checkpoint.every=8", "--checkpoint.keep=10",
+SPIKE = [*SMALL, "--train.steps=28", "--train.steps_per_call=4", "--checkpoint.every=8", "--checkpoint.keep=10",
          "--optim.lr=3e-3", "--guard.skip_spikes=True", "--guard.warmup=10", "--guard.z_loss=3"]
 SPIKE_STEPS = (22, 23)  # every row of these steps' batches is random token ids
 
@@ -207,7 +207,7 @@ def test_the_guard_skips_exactly_the_planted_spike(tmp_path, shakespeare, poison
     clean, spiked = losses(tmp_path / "clean"), losses(tmp_path / "spiked")
     assert all(clean[s] == spiked[s] for s in range(1, SPIKE_STEPS[0]))  # bitwise until the spike
     # two updates fewer while the loss still falls ~0.1 per step: within 0.3 of the clean run (measured 0.12-0.24)
-    assert max(abs(spiked[s] - clean[s]) for s in range(SPIKE_STEPS[-1] + 1, 33)) <= 0.3
+    assert max(abs(spiked[s] - clean[s]) for s in range(SPIKE_STEPS[-1] + 1, 29)) <= 0.3
 
 
 ROLLBACK = ["--guard.rollback_after=2", "--guard.rollback_skip=3"]
@@ -224,7 +224,7 @@ def test_rollback_restores_the_checkpoint_and_skips_the_window_and_resumes_exact
     records = read_jsonl(tmp_path / "whole" / "metrics.jsonl")
     rollback = [r for r in records if "rollback" in r]
     assert [(r["step"], r["rollback"], r["abandoned"]) for r in rollback] == [(16, 1, [17, 24])]
-    assert [r["step"] for r in records if "loss" in r] == list(range(1, 33))  # the file keeps one trajectory
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 29))  # the file keeps one trajectory
     assert not any(r.get("skipped") for r in records)  # the planted batches were never read again
 
     killed = tmp_path / "killed"
