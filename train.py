@@ -382,8 +382,7 @@ class Loop:
         reached = log_call(self.run, self.bar, c.step, metrics, elapsed, self.peak)
         self.profile.after_call(reached)
         if c.step == self.first:  # the first call compiled: the ETA counts from the calls after it
-            self.bar.reset(total=self.cfg.train.steps)
-            self.bar.initial = self.bar.n = self.bar.last_print_n = reached
+            restart_bar(self.bar, reached)
         return True
 
     def checkpoint_and_evaluate(self, saving: bool) -> None:
@@ -394,6 +393,12 @@ class Loop:
             with save_errors(run.ckpt):
                 run.ckpt.save(self.step, self.state, run.train_iter,
                               {**run.meta, "data_rows": rows_consumed_or_none(run)})
+
+
+def restart_bar(bar, step: int) -> None:
+    """The progress bar at `step`, its rate and ETA measured from now on."""
+    bar.reset(total=bar.total)
+    bar.initial = bar.n = bar.last_print_n = step
 
 
 def log_call(run: Run, bar, step: int, metrics: dict, elapsed: float, peak: float) -> int:
@@ -535,8 +540,7 @@ def roll_back(run: Run, problem: str, abandoned_to: int, bar) -> tuple[dict, int
     run.meta["rollbacks"] += 1
     run.logger.log({"step": back, "rollback": run.meta["rollbacks"], "reason": problem,
                     "abandoned": [back + 1, abandoned_to], "data_skipped": g.rollback_skip})
-    bar.reset(total=run.cfg.train.steps)
-    bar.initial = bar.n = bar.last_print_n = back
+    restart_bar(bar, back)
     say(f"{problem}; rolled back to {run.ckpt.path(back)} (rollback {run.meta['rollbacks']} of"
         f" {g.max_rollbacks}), the data continues {g.rollback_skip} batches past the abandoned steps' batches")
     return state, back

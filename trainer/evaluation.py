@@ -45,7 +45,7 @@ class Evaluator:
         return cls(model_config, mesh, rules, graphdef, shardings, abstract, batch, loss)
 
     def params_finite(self, params: nnx.State) -> bool:
-        return bool(jax.jit(all_finite)(params))
+        return bool(_all_finite(params))
 
     def model(self, params: nnx.State) -> GPT2:
         return nnx.merge(self.graphdef, params)
@@ -58,6 +58,9 @@ class Evaluator:
         if not losses:
             return float("nan"), 0
         return float(np.mean(jax.device_get(losses))), len(losses)
+
+
+_all_finite = jax.jit(all_finite)  # one executable for every checkpoint of `eval.py --all`
 
 
 def encode_prompt(prompt: str) -> list[int]:

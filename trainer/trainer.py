@@ -82,8 +82,8 @@ class Trainer:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
 
     def with_guard_stats(self, state: TrainState) -> TrainState:
-        """A restored state made to fit this run: fresh statistics (the guard warms up again) when the
-        checkpoint's run had the guard off, none when this one has."""
+        """A state made to fit this run: fresh statistics (the guard warms up) for a new state or one restored
+        from a run that had the guard off; none when this run has it off."""
         state = {k: v for k, v in state.items() if k != "guard" or self.guarded}
         if self.guarded and "guard" not in state:
             state["guard"] = jax.device_put(init_stats(), self.state_shardings["guard"])
@@ -104,9 +104,7 @@ class Trainer:
             "step": put(jnp.zeros((), jnp.int32), self.state_shardings["step"]),
             "rng": put(jax.random.PRNGKey(self.config.train.seed), self.state_shardings["rng"]),
         }
-        if self.guarded:
-            state["guard"] = put(init_stats(), self.state_shardings["guard"])
-        return state
+        return self.with_guard_stats(state)
 
     @property
     def guarded(self) -> bool:
