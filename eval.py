@@ -20,17 +20,18 @@ import sys
 import jax
 
 from configs.base import CheckpointConfig, Config, DataConfig, DistributedConfig, MeshConfig
-from configs.cli import fail, parse
-from configs.errors import CheckpointError, ConfigError, UserError
-from gpt2.config import ConfigError as ModelConfigError
-from gpt2.hf import HFCheckpointError
+from configs.cli import parse
+from errors import CheckpointError, ConfigError, one_line_errors
 from gpt2.sharding import ShardingRules
 from trainer.checkpoint import CheckpointGone, Checkpoints, check_compatible
-from trainer.evaluation import Evaluator, encode_prompt, sample
+from trainer.corpus import resolve_corpus, val_dataset
+from trainer.evaluation import Evaluator, prompt_that_fits, sample
+from trainer.library_logs import library_logs_to
 from trainer.malloc import keep_freed_memory
+from trainer.mesh import checked_mesh
 from trainer.metrics import init_wandb, resolve_wandb_mode
-from trainer.run_dir import RunDir, merge_eval_results, warn
-from trainer.setup import checked_mesh, initialize_distributed, library_logs_to, resolve_corpus, val_dataset
+from trainer.processes import initialize_distributed, is_process_0, say
+from trainer.run_dir import RunDir, eval_record, merge_eval_results, warn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,17 +84,15 @@ class EvalConfig:
     mesh: MeshConfig = MeshConfig(rules="fsdp")
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # before JAX starts its threads: see trainer/malloc.py
-    try:
-        cfg = parse(EvalConfig, argv, prog="eval.py", description=__doc__)
-        check_args(cfg)
-        if cfg.hf:
-            return evaluate_hf(cfg)
-        with library_logs_to(RunDir(cfg.run_dir) / "logs"):  # Orbax's notes on read-only restores, ...
-            return evaluate_run(cfg)
-    except (UserError, ModelConfigError, HFCheckpointError) as e:
-        fail(str(e))
+    cfg = parse(EvalConfig, argv, prog="eval.py", description=__doc__)
+    check_args(cfg)
+    if cfg.hf:
+        return evaluate_hf(cfg)
+    with library_logs_to(RunDir(cfg.run_dir) / "logs"):  # Orbax's notes on read-only restores, ...
+        return evaluate_run(cfg)
 
 
 def check_args(cfg: EvalConfig) -> None:
@@ -142,11 +141,11 @@ def evaluate_run(cfg: EvalConfig) -> int:
     evaluator, corpus, seq_len = setup(cfg, run.model, dataclasses.replace(run.data, dataset=dataset),
                                        cfg.seq_len or run.train.seq_len)
     records, failed = [], []
-    with jax.set_mesh(evaluator.mesh):
+    with jax.set_mesh(evaluator.layout.mesh):
         for step in chosen:
             try:
                 check_compatible(ckpt.read_meta(step), run, ckpt.path(step))
-                params = ckpt.restore_params(step, evaluator.abstract_params)
+                params = ckpt.restore_params(step, evaluator.layout.abstract_params)
                 if not evaluator.params_finite(params):
                     raise CheckpointError(f"{ckpt.path(step)}: its parameters are not finite (saved by a run"
                                           " that diverged); evaluate an earlier checkpoint")
@@ -158,7 +157,7 @@ def evaluate_run(cfg: EvalConfig) -> int:
                 if not isinstance(e, CheckpointGone):
                     failed.append(step)
                 continue
-            maybe_sample(cfg, evaluator.model(params))
+            maybe_sample(cfg, evaluator.layout.model(params))
     ckpt.close()
     finish(records, out=cfg.out or str(RunDir(cfg.run_dir) / "eval.json"))
     log_to_wandb(cfg, run, meta, records)
@@ -198,8 +197,9 @@ def evaluate_hf(cfg: EvalConfig) -> int:
     seq_len = cfg.seq_len or min(1024, model_config.block_size)
     initialize_distributed(DistributedConfig())
     evaluator, corpus, seq_len = setup(cfg, model_config, DataConfig(dataset=cfg.dataset), seq_len)
-    with jax.set_mesh(evaluator.mesh):
-        model = from_hf(directory, mesh=evaluator.mesh, rules=evaluator.rules)
+    layout = evaluator.layout
+    with jax.set_mesh(layout.mesh):
+        model = from_hf(directory, mesh=layout.mesh, rules=layout.rules)
         from flax import nnx
 
         record = evaluate(cfg, evaluator, nnx.state(model, nnx.Param), corpus, seq_len, step=None,
@@ -227,9 +227,9 @@ def evaluate(cfg: EvalConfig, evaluator: Evaluator, params, corpus, seq_len: int
         from trainer.lm_eval_backend import evaluate_tasks
 
         return evaluate_tasks(evaluator, params, tasks=cfg.tasks, include_path=cfg.include_path, limit=cfg.limit,
-                              batch_size=cfg.batch_size, max_length=cfg.seq_len or evaluator.model_config.block_size,
+                              batch_size=cfg.batch_size, max_length=cfg.seq_len or evaluator.layout.model_config.block_size,
                               **{k: v for k, v in key.items() if k != "dataset"})
-    batches = val_dataset(corpus, vocab_size=evaluator.model_config.vocab_size, seq_len=seq_len,
+    batches = val_dataset(corpus, vocab_size=evaluator.layout.model_config.vocab_size, seq_len=seq_len,
                           batch_size=cfg.batch_size, num_epochs=1)
     loss, n = evaluator.mean_loss(params, batches, cfg.batches)
     where = f"step {key['step']}" if key.get("step") is not None else "model"
@@ -240,11 +240,10 @@ def evaluate(cfg: EvalConfig, evaluator: Evaluator, params, corpus, seq_len: int
         raise CheckpointError(f"{where}: validation loss is {loss}: the model's numbers overflow; evaluate an"
                               " earlier checkpoint")
     settings = {**key, "seq_len": seq_len, "batch_size": cfg.batch_size, "batches": cfg.batches or "all"}
-    record = {"key": ",".join(f"{k}={v}" for k, v in settings.items()), **settings, "val_loss": loss,
-              "perplexity": math.exp(loss), "batches_evaluated": n, "tokens": n * cfg.batch_size * seq_len}
-    if jax.process_index() == 0:
-        print(f"{where}: val_loss {loss:.4f}  perplexity {record['perplexity']:.2f}  ({n} batches,"
-              f" {record['tokens']:,} tokens)")
+    record = eval_record(settings, val_loss=loss, perplexity=math.exp(loss), batches_evaluated=n,
+                         tokens=n * cfg.batch_size * seq_len)
+    say(f"{where}: val_loss {loss:.4f}  perplexity {record['perplexity']:.2f}  ({n} batches,"
+        f" {record['tokens']:,} tokens)")
     return record
 
 
@@ -253,22 +252,16 @@ def maybe_sample(cfg: EvalConfig, model) -> None:
         return
     text = sample(model, prompt_ids(cfg, model.config.block_size), cfg.max_new_tokens, seed=cfg.seed,
                   temperature=cfg.temperature, top_k=cfg.top_k)  # every process takes part
-    if jax.process_index() == 0:
-        print(text)
+    say(text)
 
 
 def prompt_ids(cfg: EvalConfig, block_size: int) -> list[int]:
-    prompt = encode_prompt(cfg.prompt)
-    if len(prompt) + cfg.max_new_tokens > block_size:
-        raise ConfigError(
-            f"--prompt encodes to {len(prompt)} tokens; with --max_new_tokens={cfg.max_new_tokens} that exceeds"
-            f" the model's context of {block_size}"
-        )
-    return prompt
+    return prompt_that_fits(cfg.prompt, cfg.max_new_tokens, block_size, prompt_flag="--prompt",
+                            tokens_flag="--max_new_tokens", context=f"the model's context of {block_size}")
 
 
 def finish(records: list[dict], *, out: str) -> None:
-    if jax.process_index() == 0 and records:
+    if is_process_0() and records:
         merge_eval_results(out, records)
         print(f"results: {out}")
 
@@ -276,7 +269,7 @@ def finish(records: list[dict], *, out: str) -> None:
 def log_to_wandb(cfg: EvalConfig, run: Config, meta: dict, records: list[dict]) -> None:
     """Adds `eval/*` metrics to the training run, keyed by the checkpoint step, in the run's own wandb mode
     (a run trained offline stays offline, whatever credentials this machine has)."""
-    if not (cfg.wandb and records and meta.get("wandb_id")) or jax.process_index() != 0:
+    if not (cfg.wandb and records and meta.get("wandb_id")) or not is_process_0():
         return
     mode = meta.get("wandb_mode") or resolve_wandb_mode(run.log.wandb)
     wandb_run = init_wandb(RunDir(cfg.run_dir), mode, project=run.log.project,

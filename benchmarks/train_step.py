@@ -28,7 +28,7 @@ from gpt2 import GPT2Config, make_mesh
 from gpt2.config import RematPolicy
 from trainer.malloc import keep_freed_memory
 from trainer.metrics import measure_matmul_peak
-from trainer.trainer import Trainer
+from trainer.program import TrainProgram
 
 SHAPES = {
     # issue 6's CPU smoke shape and GPT-2 124M
@@ -65,7 +65,7 @@ def config_for(shape: str, k: int, **model_kw) -> Config:
 def ours(cfg: Config, repeats: int) -> dict:
     """tokens/s of the real K-step train call (one device: the whole CPU)."""
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    trainer = Trainer.build(cfg, mesh)
+    trainer = TrainProgram.build(cfg, mesh)
     t = cfg.train
     batch = np.random.RandomState(0).randint(0, cfg.model.vocab_size, (t.steps_per_call, t.batch_size,
                                                                         t.seq_len + 1)).astype(np.int32)
@@ -118,7 +118,7 @@ def compile_seconds(config: GPT2Config, batch: int, seq: int) -> float:
     """Lower + compile of one train call on abstract inputs (nothing allocated)."""
     cfg = Config(model=config, train=TrainConfig(batch_size=batch, seq_len=seq, steps_per_call=1))
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    trainer = Trainer.build(cfg, mesh)
+    trainer = TrainProgram.build(cfg, mesh)
     started = time.perf_counter()
     with jax.set_mesh(mesh):
         trainer.lower().compile()
@@ -144,7 +144,7 @@ def checkpoint_blocking(cfg: Config, repeats: int = 3) -> dict:
     from trainer.checkpoint import Checkpoints
 
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    trainer = Trainer.build(cfg, mesh)
+    trainer = TrainProgram.build(cfg, mesh)
     with jax.set_mesh(mesh):
         state = trainer.init_state()
     blocked, total = [], []

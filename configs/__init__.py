@@ -8,9 +8,9 @@ import pkgutil
 import typing
 from pathlib import Path
 
-from configs.errors import ConfigError
+from errors import ConfigError
 
-_NOT_PRESETS = {"base", "cli", "errors"}
+_NOT_PRESETS = {"base", "cli"}
 PRESETS = sorted(
     m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if m.name not in _NOT_PRESETS
 )
@@ -27,7 +27,7 @@ def load(name: str):
 def from_dict(d: dict, cls: type | None = None):
     """A config dataclass (default: Config) from its `dataclasses.asdict` form (e.g. the copy in a checkpoint)."""
     if cls is None:
-        from configs.base import Config  # imported here: `configs.errors` / `configs.cli` stay free of JAX
+        from configs.base import Config  # imported here: `configs.cli` stays free of JAX
 
         cls = Config
     hints = typing.get_type_hints(cls)

@@ -10,7 +10,7 @@ import dataclasses
 import math
 from typing import Literal
 
-from configs.errors import ConfigError
+from errors import ConfigError
 from gpt2.config import GPT2Config
 from gpt2.sharding import ShardingRules
 

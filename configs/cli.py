@@ -18,6 +18,8 @@ from typing import TypeVar
 
 import tyro
 
+from errors import fail
+
 T = TypeVar("T")
 
 _BOX = re.compile(r"[│╭╮╰╯─]+")
@@ -79,11 +81,6 @@ def boolean_flags(cls: type, prefix: str = "") -> set[str]:
         elif dataclasses.is_dataclass(hints[f.name]):
             out |= boolean_flags(hints[f.name], f"{prefix}{f.name}.")
     return out
-
-
-def fail(message: str) -> typing.NoReturn:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def _condense(text: str) -> str:

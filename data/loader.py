@@ -27,8 +27,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from configs.errors import DataError
-from data.prepare import META, TOKEN_DTYPE
+from errors import DataError
+from data.format import META, TOKEN_DTYPE
 from data.tokenizer import RANKS_SHA256
 
 

@@ -8,15 +8,13 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from errors import ConfigError  # the application's one ConfigError (errors.py imports nothing)
+
 GPT2_VOCAB_SIZE = 50257  # r50k_base BPE ranks + <|endoftext|>
 
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 AttentionImpl = Literal["xla", "cudnn", "auto"]
 DType = Literal["float32", "bfloat16", "float16"]
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
 
 
 @dataclasses.dataclass(frozen=True)

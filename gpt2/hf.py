@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from errors import CheckpointError, first_line
 from gpt2.config import GPT2Config
 from gpt2.model import GPT2
 from gpt2.sharded_init import _resolve, abstract_model
@@ -46,7 +47,7 @@ BLOCK = {
 HUB = "hub:"  # `hub:openai-community/gpt2` names a hub model; anything else is a local directory
 
 
-class HFCheckpointError(ValueError):
+class HFCheckpointError(CheckpointError):
     """A Hugging Face checkpoint cannot be read; the message names the file."""
 
 
@@ -140,7 +141,7 @@ def hf_directory(path_or_name) -> Path:
         try:
             return Path(snapshot_download(text[len(HUB):], allow_patterns=["config.json", "*.safetensors"]))
         except Exception as e:  # noqa: BLE001 - offline, unknown repo, ...
-            raise HFCheckpointError(f"{text}: cannot download from the Hugging Face hub ({str(e).splitlines()[0]})"
+            raise HFCheckpointError(f"{text}: cannot download from the Hugging Face hub ({first_line(e)})"
                                     ) from None
     path = Path(path_or_name)
     if not (path / "config.json").is_file():
@@ -161,7 +162,7 @@ def _read_safetensors(directory: Path) -> dict[str, np.ndarray]:
         try:
             loaded = load_file(f)
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
-            raise HFCheckpointError(f"{f}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+            raise HFCheckpointError(f"{f}: not a readable safetensors file ({first_line(e)})") from None
         for name, array in loaded.items():
             tensors[name.removeprefix("transformer.")] = array  # GPT2LMHeadModel vs GPT2Model naming
     return tensors

@@ -8,10 +8,7 @@ import pytest
 import configs
 from configs.base import Config
 from gpt2 import GPT2Config, ShardingRules, make_mesh
-from configs.errors import ConfigError as AppConfigError
-from gpt2.config import ConfigError as ModelConfigError
-
-ConfigError = (AppConfigError, ModelConfigError)  # model fields raise the model package's, the rest the app's
+from errors import ConfigError
 from gpt2.sharded_init import abstract_model
 
 
@@ -127,7 +124,7 @@ def test_every_numeric_field_rejects_nan_inf_and_out_of_range_values(section, na
 def test_multi_host_start_up_uses_jaxs_cluster_detection(monkeypatch):
     """No flags and no JAX_* variables: a SLURM (or TPU, Open MPI, Kubernetes) job is found by JAX's own
     detection; a plain machine is one process."""
-    from trainer.setup import _cluster_detected
+    from trainer.processes import _cluster_detected
 
     for variable in ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST"):
         monkeypatch.delenv(variable, raising=False)

@@ -10,7 +10,7 @@ import pytest
 
 from data import tokenizer
 from data.loader import LoaderConfig, TokenWindows, make_dataset, open_corpus
-from configs.errors import DataError
+from errors import DataError
 from data.tokenizer import EOT, RANKS_FILE, RANKS_SHA256, get_tokenizer
 
 SAMPLE = (
@@ -187,3 +187,25 @@ def test_token_ids_beyond_the_vocabulary_are_reported(tmp_path):
     (tmp_path / "t.bin").write_bytes(np.full(100, 60000, dtype="<u2").tobytes())
     with pytest.raises(DataError, match="token id 60000 .* >= vocab size 50257"):
         TokenWindows([tmp_path / "t.bin"], 32, 50257)[0]
+
+
+def test_the_loader_needs_the_file_format_not_the_writer():
+    """data.loader's imports, followed through the repository's own modules, reach data.format and never
+    data.prepare (the reader of the files does not depend on their writer)."""
+    import ast
+
+    from conftest import ROOT
+
+    seen, todo = set(), ["data.loader"]
+    while todo:
+        name = todo.pop()
+        path = ROOT / (name.replace(".", "/") + ".py")
+        if name in seen or not path.is_file():
+            continue
+        seen.add(name)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                todo += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                todo += [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+    assert "data.format" in seen and not any(m.startswith("data.prepare") for m in seen), sorted(seen)

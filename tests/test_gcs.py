@@ -224,7 +224,7 @@ def test_metrics_on_gs_are_cut_to_the_checkpoint_and_appended_by_compose(gcs, ca
 def test_library_logs_on_gs_are_appended_to_their_object_at_exit(gcs):
     import logging
 
-    from trainer.setup import library_logs_to
+    from trainer.library_logs import library_logs_to
 
     for start in (1, 2):  # two starts of a run: one log object, both starts' records
         with library_logs_to(epath.Path(gs("logged/logs"))):

@@ -1,7 +1,7 @@
 """Numerical safety: a saved state is always finite, eval.py refuses non-finite results, the spike guard
 skips outlier steps inside the scanned call (bitwise a no-op when nothing spikes), and rollback.
 
-The in-process call tests plant faults through Trainer._gradient_hook; the run tests go through train.main /
+The in-process call tests plant faults through TrainProgram._gradient_hook; the run tests go through train.main /
 eval.main in-process on the embedded corpus, or a copy of it whose batches at known steps are random token
 ids (a loss spike where the test chooses); only the kill needs a process of its own.
 """
@@ -25,7 +25,7 @@ import train as train_app
 from configs.base import Config, GuardConfig, OptimConfig, TrainConfig
 from gpt2 import GPT2Config, make_mesh
 from trainer.checkpoint import Checkpoints
-from trainer.trainer import Trainer
+from trainer.program import TrainProgram
 from conftest import ROOT, SMALL, checkpoint_steps, cli_env, last_line, read_jsonl, run_main
 
 NANO = Config(model=GPT2Config.nano(), train=TrainConfig(batch_size=8, seq_len=16, steps=10),
@@ -39,12 +39,12 @@ def guarded(cfg: Config, **guard) -> Config:
 
 def nan_gradient_at(monkeypatch, bad_step: int) -> None:
     """The gradients of step `bad_step` (1-based) become NaN inside the real jitted call."""
-    monkeypatch.setattr(Trainer, "_gradient_hook", lambda self, grads, step: jax.tree.map(
+    monkeypatch.setattr(TrainProgram, "_gradient_hook", lambda self, grads, step: jax.tree.map(
         lambda g: jnp.where(step + 1 == bad_step, jnp.nan, g), grads))
 
 
 def run(cfg: Config, mesh, stacks):
-    trainer = Trainer.build(cfg, mesh)
+    trainer = TrainProgram.build(cfg, mesh)
     with jax.set_mesh(mesh):
         call, state, out = trainer.train_call(), trainer.init_state(), []
         for stack in stacks:
@@ -84,7 +84,7 @@ def test_the_guard_is_bitwise_a_no_op_until_a_lasting_new_level_restarts_it(monk
     new level instead of every later step being skipped."""
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     plain, (plain_metrics,) = run(NANO, mesh, [BATCHES])
-    monkeypatch.setattr(Trainer, "_gradient_hook", lambda self, grads, step: jax.tree.map(
+    monkeypatch.setattr(TrainProgram, "_gradient_hook", lambda self, grads, step: jax.tree.map(
         lambda g: jnp.where(step + 1 >= 5, 100 * g, g), grads))
     more = np.random.RandomState(1).randint(0, 96, (4, 8, 17)).astype(np.int32)
     state, (metrics,) = run(guarded(NANO, warmup=3), mesh, [np.concatenate([BATCHES, more])])
@@ -145,7 +145,7 @@ def test_eval_refuses_non_finite_parameters_and_all_goes_on(tmp_path, shakespear
     assert code == 0, err[-2000:]
     ckpt = Checkpoints(tmp_path, dataclasses.replace(Config().checkpoint, async_save=False))
     meta = ckpt.read_meta(10)
-    trainer = Trainer.build(train_app.configs.from_dict(meta["config"]), make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    trainer = TrainProgram.build(train_app.configs.from_dict(meta["config"]), make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     with jax.set_mesh(trainer.mesh):
         state = ckpt.restore(10, trainer.abstract_state())
         state["params"] = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), state["params"])

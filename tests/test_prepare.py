@@ -1,5 +1,8 @@
-"""Corpus preparation (data.prepare) through its CLI: formats, the validation split, errors, resume, workers."""
+"""Corpus preparation (data.prepare): each stage on its own (read, tokenize, commit, shards), then through the CLI:
+formats, the validation split, errors, resume, workers."""
 
+import bz2
+import gzip
 import json
 import lzma
 import os
@@ -13,7 +16,7 @@ import pytest
 
 from conftest import ROOT
 from data import prepare as prep
-from data.prepare import DataError, PrepareConfig, main, prepare
+from data.prepare import DataError, PrepareConfig, commit, main, prepare, shards, sources, tokens
 from data.tokenizer import EOT, RANKS_SHA256, get_tokenizer
 
 SHARD = 1 << 16  # the smallest shard_tokens allowed
@@ -76,6 +79,140 @@ def _args(corpus, out, *more):
     return ["--source", corpus / "*.jsonl", "--out_dir", out, "--val_fraction", 0.05, "--shard_tokens", SHARD, *more]
 
 
+# ---- the stages, one at a time ------------------------------------------------------------------
+
+
+def test_plan_cuts_a_large_plain_jsonl_into_line_aligned_ranges(tmp_path, monkeypatch):
+    """Each line is read once, by the range it starts in, at its byte offset; a compressed file is one unit."""
+    lines = [json.dumps({"text": t}) + "\n" for t in _docs(30, (2, 40))]
+    data = "".join(lines).encode()
+    (tmp_path / "a.jsonl").write_bytes(data)
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(data))
+    unit_bytes = len(lines[0].encode())  # the first range ends exactly where the second line starts
+    monkeypatch.setattr(sources, "UNIT_BYTES", unit_bytes)
+    cfg = PrepareConfig(str(tmp_path / "*.jsonl*"), str(tmp_path / "out"))
+    units = sources.plan(cfg)
+    ranges = [(u.start, u.end) for u in units[:-1]]
+    assert ranges == [(s, min(s + unit_bytes, len(data))) for s in range(0, len(data), unit_bytes)]
+    assert units[-1] == sources.Unit(len(ranges), "json", str(tmp_path / "b.jsonl.gz"), file_no=1)
+    assert [u.index for u in units] == list(range(len(units)))
+    offsets = np.cumsum([0] + [len(line.encode()) for line in lines])[:-1].tolist()
+    expected = [sources.Document(pos, json.loads(line)["text"], True) for pos, line in zip(offsets, lines)]
+    assert [d for u in units[:-1] for d in sources.read(u, cfg)] == expected
+    assert list(sources.read(units[-1], cfg)) == expected
+
+
+@pytest.mark.parametrize("ext", ["", ".gz", ".xz", ".bz2", ".zst"])
+def test_readers_decompress_by_the_files_ending(tmp_path, ext):
+    compress = {"": bytes, ".gz": gzip.compress, ".xz": lzma.compress, ".bz2": bz2.compress}
+    if ext == ".zst":
+        compress[ext] = pytest.importorskip("zstandard").compress
+    text = "\n".join(_docs(3))
+    path = tmp_path / f"a.txt{ext}"
+    path.write_bytes(compress[ext](text.encode()))
+    with sources.open_file(str(path)) as f:
+        assert f.read() == text.encode()
+    cfg = PrepareConfig(str(path), str(tmp_path / "out"))
+    (unit,) = sources.plan(cfg)
+    assert list(sources.read(unit, cfg)) == [sources.Document(0, text, True)]
+
+
+def test_zst_without_zstandard_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # as if not installed
+    with pytest.raises(DataError, match=r"a.txt.zst: reading .zst needs `pip install zstandard`"):
+        sources.open_file(str(tmp_path / "a.txt.zst"))
+
+
+def test_tokenize_is_the_same_for_any_pieces_batches_or_threads(monkeypatch):
+    """Documents cut in pieces before a word (a pre-tokenizer boundary), small batches on two threads: the
+    tokens of the whole documents, <|endoftext|> after each, in order, split by each document's label."""
+    rng = np.random.RandomState(0)
+    docs = [" ".join(rng.choice(["thou", "art", "café", "king", "12"], size=rng.randint(2, 300))) for _ in range(40)]
+    whole = [tokens.Labeled(i % 4 == 0, d, True) for i, d in enumerate(docs)]
+    pieces = []
+    for doc in whole:
+        cut = doc.text.find(" ", len(doc.text) // 2)
+        halves = [doc._replace(text=doc.text[:cut], last=False), doc._replace(text=doc.text[cut:])]
+        pieces += [doc] if cut < 0 else halves
+
+    def run(labeled, threads):
+        out = list(tokens.tokenize(labeled, threads))
+        return [np.concatenate([b.train for b in out]).tolist(), np.concatenate([b.val for b in out]).tolist(),
+                sum(b.documents for b in out)]
+
+    enc = get_tokenizer()
+    expected = [sum((enc.encode_ordinary(d.text) + [EOT] for d in whole if d.val == val), []) for val in (False, True)]
+    assert run(whole, 1) == [*expected, 40]
+    monkeypatch.setattr(tokens, "BATCH_CHARS", 500)
+    assert len(pieces) > 60 and len(list(tokens.batches(pieces))) > 20
+    assert run(pieces, 2) == [*expected, 40]
+
+
+def test_assign_labels_by_the_seeded_hash_or_the_named_split():
+    docs = [sources.Document(pos, "x", True) for pos in range(1000)]
+    cfg = PrepareConfig("x", "y", val_fraction=0.3, seed=3)
+    labels = [doc.val for doc in tokens.assign(docs, sources.Unit(0, "json", "f", file_no=2), cfg)]
+    assert labels == [prep.is_val(3, 2, pos, 0.3) for pos in range(1000)] and 240 < sum(labels) < 360
+    named = PrepareConfig("x", "y", val_split="validation")
+    assert {doc.val for doc in tokens.assign(docs, sources.Unit(0, "hub", "validation", all_val=True), named)} == {True}
+    assert {doc.val for doc in tokens.assign(docs, sources.Unit(0, "hub", "train"), named)} == {False}
+
+
+def test_write_shards_cuts_ranges_across_shard_boundaries(tmp_path):
+    parts = []
+    for i, n in enumerate([5, 7, 4]):
+        parts.append((tmp_path / f"part{i}.bin", 0, n))
+        np.arange(100 * i, 100 * i + n, dtype="<u2").tofile(parts[-1][0])
+    parts[1] = (parts[1][0], 2, 5)  # a range that starts inside its part file
+    names = shards.write_shards(tmp_path, "train", parts, 14, shard_tokens=6)
+    assert names == ["train-00000.bin", "train-00001.bin", "train-00002.bin"]
+    assert [np.fromfile(tmp_path / n, dtype="<u2").tolist() for n in names] == [
+        [0, 1, 2, 3, 4, 102], [103, 104, 105, 106, 200, 201], [202, 203]]
+    assert shards.write_shards(tmp_path, "val", parts[:1], 5, shard_tokens=6) == ["val.bin"]
+
+
+def test_commit_protocol_with_two_workers(tmp_path):
+    """Worker i of 2 commits units i, i+2; a killed write commits nothing; the second to finish joins the parts
+    into one worker's files; a late worker neither finds nor re-creates the work area."""
+    for i in range(4):
+        _write(tmp_path / f"p{i}.jsonl", [{"text": t} for t in _docs(30, (20, 300), seed=i)])
+    out, source = tmp_path / "out", str(tmp_path / "*.jsonl")
+    cfgs = [PrepareConfig(source, str(out), val_fraction=0.1, num_workers=2, worker_index=i) for i in range(2)]
+    units = sources.plan(cfgs[0])
+    state = commit.claim(out, cfgs[0], units)
+    assert commit.claim(out, cfgs[1], units) == state and len(units) == 4
+    assert [u.index for u in commit.todo(state, units, cfgs[1])] == [1, 3]
+
+    def batches(unit, cfg):
+        return tokens.tokenize(tokens.assign(sources.read(unit, cfg), unit, cfg), 1)
+
+    def killed(unit, cfg):
+        yield next(batches(unit, cfg))
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        commit.write_unit(state, units[0], killed(units[0], cfgs[0]), cfgs[0])
+    assert not commit.record_path(state, units[0]).exists() and len(list(state.glob("*.tmp-w0of2"))) == 2
+    for cfg in cfgs:
+        with commit.worker_lock(state, cfg):
+            with pytest.raises(DataError, match=f"worker {cfg.worker_index} of 2 is already running"):
+                with commit.worker_lock(state, cfg):
+                    pass
+            commit.remove_stale(state, "*" + commit.temporary_suffix(cfg))
+            for unit in commit.todo(state, units, cfg):
+                commit.write_unit(state, unit, batches(unit, cfg), cfg)
+        if cfg.worker_index == 0:
+            assert commit.all_records(state, units) is None and shards.finalize(out, state, cfg, units) is None
+    counts = shards.finalize(out, state, cfgs[1], units)
+    assert not state.exists() and not list(out.glob("*.tmp-*"))
+    with commit.lock(state / "finalize.lock") as held:
+        assert not held and not state.exists()
+    prepare(PrepareConfig(source, str(tmp_path / "one"), val_fraction=0.1), quiet=True)
+    assert _files(out) == _files(tmp_path / "one")
+    meta = json.loads((out / "meta.json").read_text())
+    assert counts == {"train": meta["train_tokens"], "val": meta["val_tokens"]}
+
+
 # ---- formats and the output ---------------------------------------------------------------------
 
 
@@ -122,7 +259,7 @@ def test_validation_split_is_a_seeded_proportional_hash(tmp_path):
     _cli("--source", src, "--out_dir", tmp_path / "b", "--val_fraction", 0.2, "--seed", 7)
     assert _decode_all(tmp_path / "b", "val") != _decode_all(tmp_path / "a", "val")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(prep, "BATCH_CHARS", 1000)
+        mp.setattr(tokens, "BATCH_CHARS", 1000)
         _cli("--source", src, "--out_dir", tmp_path / "c", "--val_fraction", 0.2, "--num_threads", 1)
     assert _files(tmp_path / "c") == _files(tmp_path / "a")
 
@@ -153,15 +290,15 @@ def test_text_pieces_tokenize_like_the_whole(tmp_path, monkeypatch):
     text = json.loads(lzma.open(prep.SHAKESPEARE, "rt").readline())["text"][:300_000]
     text += "\n\n  x \r\nend\n \nlast"
     (tmp_path / "a.txt").write_text(text)
-    monkeypatch.setattr(prep, "BATCH_CHARS", 2000)
-    pieces = list(prep._read(prep.Unit(0, "text", str(tmp_path / "a.txt")), PrepareConfig("x", "y")))
+    monkeypatch.setattr(sources, "PIECE_CHARS", 2000)
+    pieces = list(sources.read(sources.Unit(0, "text", str(tmp_path / "a.txt")), PrepareConfig("x", "y")))
     assert len(pieces) > 50 and [p[2] for p in pieces] == [False] * (len(pieces) - 1) + [True]
     enc = get_tokenizer()
     assert sum((enc.encode_ordinary(p[1]) for p in pieces), []) == enc.encode_ordinary(text)
 
 
 def test_large_jsonl_byte_ranges_give_the_same_files(corpus, tmp_path, monkeypatch):
-    monkeypatch.setattr(prep, "UNIT_BYTES", 50_000)  # ~6 line-aligned ranges per file
+    monkeypatch.setattr(sources, "UNIT_BYTES", 50_000)  # ~6 line-aligned ranges per file
     _cli(*_args(corpus, tmp_path / "o"))
     assert _files(tmp_path / "o") == _files(corpus / "ref")
 
@@ -313,9 +450,9 @@ def test_kill_9_then_rerun_gives_the_uninterrupted_files(corpus, tmp_path, capsy
     assert len(done) < 8
     line = _error(capsys, *_args(corpus, out, "--seed", 5))  # other settings over a partial output
     assert "other settings (seed)" in line and "--overwrite" in line
-    redone, write_unit = [], prep._write_unit
+    redone, write_unit = [], commit.write_unit
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(prep, "_write_unit",
+        mp.setattr(commit, "write_unit",
                    lambda state, unit, *a: (redone.append(unit.index), write_unit(state, unit, *a)))
         _cli(*_args(corpus, out))
     assert sorted(redone) == sorted(set(range(8)) - done)  # finished units are kept, not redone
@@ -338,14 +475,14 @@ def test_removes_its_own_stale_temporaries_but_not_a_live_workers(corpus, tmp_pa
     (state / "unit-00000.train.bin.tmp-w0of2").write_bytes(b"killed")  # worker 0's, from a killed run
     (state / "unit-00002.train.bin.tmp-w0of3").write_bytes(b"live")  # another run's worker, maybe alive
     (out / ".tmp-prepare-old").mkdir()  # an earlier version's
-    with prep._lock(state / "worker-0-of-2.lock") as held:  # a live worker 0 is refused, keeps its files
+    with commit.lock(state / "worker-0-of-2.lock") as held:  # a live worker 0 is refused, keeps its files
         assert held
         with pytest.raises(DataError, match="worker 0 of 2 is already running"):
             prepare(PrepareConfig(**_cfg(corpus, out), num_workers=2, worker_index=0), quiet=True)
     assert (state / "unit-00000.train.bin.tmp-w0of2").exists()
     with pytest.MonkeyPatch.context() as mp:
         seen = []
-        mp.setattr(prep, "_finalize", lambda *a: seen.append(sorted(p.name for p in state.glob("*.tmp-*"))))
+        mp.setattr(shards, "finalize", lambda *a: seen.append(sorted(p.name for p in state.glob("*.tmp-*"))))
         prepare(PrepareConfig(**_cfg(corpus, out), num_workers=2, worker_index=0), quiet=True)
     assert seen == [["unit-00002.train.bin.tmp-w0of3"]] and not (out / ".tmp-prepare-old").exists()
     _cli(*_args(corpus, out, "--num_workers", 2, "--worker_index", 0))  # the last one finalizes, cleans all

@@ -12,11 +12,11 @@ import pytest
 from flax import nnx
 
 from configs.base import CheckpointConfig, Config, OptimConfig, TrainConfig
-from configs.errors import CheckpointError
+from errors import CheckpointError
 from gpt2 import GPT2Config, make_mesh
 from trainer.checkpoint import Checkpoints, realign_data
 from trainer.optim import decay_mask, lr_schedule
-from trainer.trainer import Trainer
+from trainer.program import TrainProgram
 
 NANO_RUN = Config(model=GPT2Config.nano(), train=TrainConfig(batch_size=8, seq_len=16, steps=10),
                   optim=OptimConfig(warmup_steps=2))
@@ -33,7 +33,7 @@ def one_device():
 
 def run_calls(cfg: Config, mesh, stacks, active=None):
     """Runs one train call per [K, B, T+1] stack (all steps active unless `active` says otherwise)."""
-    trainer = Trainer.build(cfg, mesh)
+    trainer = TrainProgram.build(cfg, mesh)
     with jax.set_mesh(mesh):
         call = trainer.train_call()
         state = trainer.init_state()
@@ -80,7 +80,7 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def test_weight_decay_skips_biases_and_norms_even_when_stacked():
-    trainer = Trainer.build(NANO_RUN, one_device())
+    trainer = TrainProgram.build(NANO_RUN, one_device())
     mask = {path: bool(v.get_value()) for path, v in nnx.to_flat_state(decay_mask(trainer.abstract_state()["params"]))}
     assert mask[("h", "mlp", "c_fc", "kernel")] and mask[("wte", "embedding")]
     assert not mask[("h", "ln_1", "scale")]  # [L, D] with scan_layers, still a vector per layer
@@ -100,7 +100,7 @@ def test_schedule_warms_up_then_decays_to_the_floor():
 
 def test_dropout_depends_on_the_key_and_zero_dropout_is_deterministic():
     cfg = with_model(NANO_RUN, dropout=0.1)
-    trainer = Trainer.build(cfg, one_device())
+    trainer = TrainProgram.build(cfg, one_device())
     with jax.set_mesh(trainer.mesh):
         params = trainer.init_state()["params"]
         batch = jnp.asarray(BATCHES[0])
@@ -151,7 +151,7 @@ def test_bfloat16_forward_stays_near_float32(shakespeare):
     batch = jnp.asarray(_corpus_batches(shakespeare, 1)[0][0])
     logits, losses = {}, {}
     for dtype in ("float32", "bfloat16"):
-        trainer = Trainer.build(_bf16_run(dtype), one_device())
+        trainer = TrainProgram.build(_bf16_run(dtype), one_device())
         with jax.set_mesh(trainer.mesh):
             params = trainer.init_state()["params"]  # same seed: the same float32 parameters
             logits[dtype] = np.asarray(trainer.model(params)(batch[:, :-1]), np.float32)
@@ -177,7 +177,7 @@ def test_train_call_compiles_once_and_holds_no_materialized_mask():
     """Regression guards that time nothing: no recompiles between calls (full or partial); causal masking
     stays implicit."""
     cfg = dataclasses.replace(NANO_RUN, train=dataclasses.replace(NANO_RUN.train, steps_per_call=2))
-    trainer = Trainer.build(cfg, one_device())
+    trainer = TrainProgram.build(cfg, one_device())
     with jax.set_mesh(trainer.mesh):
         call = trainer.train_call()
         state = trainer.init_state()
@@ -197,7 +197,7 @@ def test_sharded_train_call_never_replicates_activations(capfd, rules, mesh_shap
     replicating it whole (it did for the embedding lookup: embed-sharded rows vs batch-sharded activations)."""
     cfg = dataclasses.replace(NANO_RUN, mesh=dataclasses.replace(NANO_RUN.mesh, rules=rules),
                               train=dataclasses.replace(NANO_RUN.train, steps_per_call=1))
-    trainer = Trainer.build(cfg, make_mesh(*mesh_shape, devices=jax.devices()))
+    trainer = TrainProgram.build(cfg, make_mesh(*mesh_shape, devices=jax.devices()))
     capfd.readouterr()
     with jax.set_mesh(trainer.mesh):
         trainer.lower().compile()
@@ -207,13 +207,13 @@ def test_sharded_train_call_never_replicates_activations(capfd, rules, mesh_shap
 
 def test_parameters_restore_alone_onto_another_mesh(tmp_path):
     """eval.py reads only the parameters of a train state (not the optimizer moments), onto any mesh."""
-    trainer = Trainer.build(NANO_RUN, one_device())
+    trainer = TrainProgram.build(NANO_RUN, one_device())
     state, _ = run_calls(NANO_RUN, trainer.mesh, [BATCHES[:2]])  # non-trivial params and Adam moments
     ckpt = Checkpoints(tmp_path, CheckpointConfig(async_save=False))
     ckpt.save(2, state, None, {"config": {}})
     ckpt.close()
     fsdp_tp = dataclasses.replace(NANO_RUN, mesh=dataclasses.replace(NANO_RUN.mesh, rules="fsdp_tp"))
-    other = Trainer.build(fsdp_tp, make_mesh(2, 2, 2, devices=jax.devices()))
+    other = TrainProgram.build(fsdp_tp, make_mesh(2, 2, 2, devices=jax.devices()))
     params = Checkpoints(tmp_path, CheckpointConfig(), read_only=True).restore_params(2, other.abstract_params)
     assert jax.tree.structure(params) == jax.tree.structure(state["params"])
     assert param_diff(jax.device_get(params), jax.device_get(state["params"])) == 0

@@ -143,7 +143,7 @@ def test_init_from_starts_at_the_weights_and_a_resume_continues_the_fine_tune(ru
 
     from configs import from_dict
     from data.loader import make_dataset
-    from trainer.setup import resolve_corpus, train_loader_config
+    from trainer.corpus import resolve_corpus, train_loader_config
 
     run_dir = tmp_path / "finetune"
     code, out, err = run_main(train_app.main, *train_args(run_dir, shakespeare, "--init_from", str(exported)))
@@ -270,8 +270,8 @@ def test_lm_eval_adapter_matches_the_hf_backend(run, tasks_dir, hf_backend):
     ckpt = Checkpoints(run, CheckpointConfig(), read_only=True)
     model_config = from_dict(ckpt.read_meta(2)["config"]).model
     evaluator = Evaluator.build(model_config, make_mesh(data=4, fsdp=2), ShardingRules.preset("fsdp"))
-    with jax.set_mesh(evaluator.mesh):
-        params = ckpt.restore_params(2, evaluator.abstract_params)
+    with jax.set_mesh(evaluator.layout.mesh):
+        params = ckpt.restore_params(2, evaluator.layout.abstract_params)
     ckpt.close()
     lm = GPT2LM(evaluator, params, batch_size=8, max_length=model_config.block_size)
     compiled = score._cache_size()

@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 
 from configs.base import CheckpointConfig
-from configs.cli import fail, parse
-from configs.errors import CheckpointError, ConfigError, UserError
-from gpt2.config import ConfigError as ModelConfigError
+from configs.cli import parse
+from errors import CheckpointError, ConfigError, one_line_errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +36,10 @@ class ExportConfig:
     step: int | None = None
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = parse(ExportConfig, argv, prog="python -m tools.export_hf", description=__doc__)
-        export(cfg.run_dir, cfg.out, step=cfg.step)
-    except (UserError, ModelConfigError) as e:
-        fail(str(e))
+    cfg = parse(ExportConfig, argv, prog="python -m tools.export_hf", description=__doc__)
+    export(cfg.run_dir, cfg.out, step=cfg.step)
     return 0
 
 
@@ -67,9 +64,9 @@ def export(run_dir: str, out: str, *, step: int | None = None) -> Path:
     from gpt2.hf import to_hf
     from gpt2.sharding import ShardingRules, make_mesh
     from trainer.checkpoint import Checkpoints
-    from trainer.evaluation import Evaluator
+    from trainer.layout import ModelLayout
+    from trainer.library_logs import library_logs_to
     from trainer.run_dir import RunDir, storage_errors
-    from trainer.setup import library_logs_to
 
     with library_logs_to(RunDir(run_dir) / "logs"):  # Orbax's notes on read-only checkpoints
         ckpt = Checkpoints(run_dir, CheckpointConfig(), read_only=True)
@@ -84,12 +81,12 @@ def export(run_dir: str, out: str, *, step: int | None = None) -> Path:
             raise ConfigError(f"{ckpt.path(step)}: model.vocab_size={model_config.vocab_size} is not GPT-2's"
                               f" {VOCAB_SIZE}; the GPT-2 tokenizer files would not fit it")
         # one device: to_hf gathers every parameter to the host anyway
-        evaluator = Evaluator.build(model_config, make_mesh(devices=jax.devices()[:1]), ShardingRules.preset("dp"))
-        with jax.set_mesh(evaluator.mesh):
-            params = ckpt.restore_params(step, evaluator.abstract_params)
+        layout = ModelLayout.build(model_config, make_mesh(devices=jax.devices()[:1]), ShardingRules.preset("dp"))
+        with jax.set_mesh(layout.mesh):
+            params = ckpt.restore_params(step, layout.abstract_params)
         ckpt.close()
     with storage_errors("write", out_dir):
-        to_hf(evaluator.model(params), out_dir)
+        to_hf(layout.model(params), out_dir)
         save_hf_tokenizer(out_dir, model_max_length=model_config.block_size)
     print(f"exported {ckpt.path(step)} to {out_dir} (config.json, model.safetensors, tokenizer.json,"
           " tokenizer_config.json)")

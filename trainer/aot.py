@@ -12,10 +12,10 @@ import dataclasses
 import jax
 
 from configs.base import Config
-from configs.errors import ConfigError
+from errors import ConfigError
 from trainer.metrics import PEAK_FLOPS
-from trainer.setup import build_mesh
-from trainer.trainer import Trainer
+from trainer.mesh import build_mesh
+from trainer.program import TrainProgram
 
 # HBM per chip in bytes and the devices per host of each generation (Cloud TPU documentation).
 CHIPS = {
@@ -103,7 +103,7 @@ def compile_for_topology(cfg: Config, topology: str) -> AotReport:
     _, spec = chip_of(topology)
     devices = topology_devices(topology)
     mesh = build_mesh(cfg, devices=devices)
-    trainer = Trainer.build(cfg, mesh)
+    trainer = TrainProgram.build(cfg, mesh)
     t = cfg.train
     with jax.set_mesh(mesh):
         lowered = trainer.lower()

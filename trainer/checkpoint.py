@@ -17,15 +17,14 @@ from typing import Any, Callable
 
 import grain
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 from configs.base import CheckpointConfig, Config
-from configs.errors import CheckpointError, DataError, UserError
+from errors import CheckpointError, DataError, UserError, first_line
 from data.loader import position_file, restore_position, rows_consumed, seek
 from trainer.run_dir import absolute, move, storage_errors, warn
-from trainer.setup import barrier
+from trainer.processes import all_agree, barrier, is_process_0
 
 STATE, DATA, META = "state", "data", "meta"
 DAMAGED = "checkpoints.damaged"  # beside checkpoints/: where unreadable checkpoints are moved, never deleted
@@ -78,7 +77,7 @@ class Checkpoints:
             meta = self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
         except Exception as e:  # noqa: BLE001 - Orbax reports a damaged item with many exception types
             self._raise_if_gone(step)
-            raise CheckpointDamaged(f"{self.path(step)}: unreadable metadata ({_reason(e)})") from None
+            raise CheckpointDamaged(f"{self.path(step)}: unreadable metadata ({first_line(e)})") from None
         if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
             raise CheckpointDamaged(f"{self.path(step)}: metadata holds no config")
         return meta
@@ -121,8 +120,8 @@ class Checkpoints:
             except Exception as e:  # noqa: BLE001 - any failure to read a file of this checkpoint
                 if "RESOURCE_EXHAUSTED" in str(e):
                     raise
-                failure = CheckpointDamaged(f"{self.path(step)}: cannot be restored ({_reason(e)})")
-            if not _everywhere_ok(failure is None):
+                failure = CheckpointDamaged(f"{self.path(step)}: cannot be restored ({first_line(e)})")
+            if not all_agree(failure is None):
                 moved.append(self.move_aside(step, failure or CheckpointDamaged(f"{self.path(step)}: another"
                                                                                " process failed to restore it")))
                 continue
@@ -136,7 +135,7 @@ class Checkpoints:
         """Moves a damaged checkpoint out of Orbax's sight (never deletes it) and says so in one line."""
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         target = self.run_dir / DAMAGED / f"{step}-{stamp}"
-        if jax.process_index() == 0:
+        if is_process_0():
             with storage_errors("move a damaged checkpoint to", target):
                 move(self.path(step), target)
             warn(f"{str(failure).rstrip('.')}; moved it to {target} and trying the previous checkpoint")
@@ -155,7 +154,7 @@ class Checkpoints:
                 return checkpointer.restore(self.path(step) / STATE, args=args)["params"]
         except Exception as e:  # noqa: BLE001
             self._raise_if_gone(step)
-            raise CheckpointDamaged(f"{self.path(step)}: cannot be restored ({_reason(e)})") from None
+            raise CheckpointDamaged(f"{self.path(step)}: cannot be restored ({first_line(e)})") from None
 
     def _raise_if_gone(self, step: int) -> None:
         if not self.path(step).exists():
@@ -179,19 +178,6 @@ class CheckpointGone(CheckpointError):
 
 class CheckpointMismatch(CheckpointError):
     """The checkpoint is intact but does not fit this run's config (model shape, data order, corpus)."""
-
-
-def _reason(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
-
-
-def _everywhere_ok(ok: bool) -> bool:
-    if jax.process_count() == 1:
-        return ok
-    from jax.experimental import multihost_utils
-
-    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
 
 
 # ---- what a checkpoint must agree on with the run resuming it ---------------------------------------

@@ -1,8 +1,8 @@
-"""Evaluation: validation loss with one jitted call built once per run, and text samples.
+"""Evaluation: validation loss with one jitted call built once per run, text samples, and the prompt check.
 
-train.py (its periodic evaluations) and eval.py (every checkpoint of a run, or HF weights) both use an
-`Evaluator`: the model's structure, the mesh and rules, the parameters' shardings, and the compiled loss. It
-holds no optimizer, and `eval.py --all` reuses its executable for every checkpoint.
+The training loop (its periodic evaluations), eval.py (every checkpoint of a run, or HF weights) and the
+lm-eval scorer all use an `Evaluator`: a model layout and the compiled loss. It holds no optimizer, and
+`eval.py --all` reuses its executable for every checkpoint.
 """
 
 from __future__ import annotations
@@ -17,38 +17,34 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from data.loader import to_global
+from errors import ConfigError
 from gpt2.config import GPT2Config
 from gpt2.model import GPT2, next_token_loss
-from gpt2.sharded_init import abstract_model
-from gpt2.sharding import ShardingRules, batch_sharding, named_shardings
+from gpt2.sharding import ShardingRules
+from trainer.layout import ModelLayout
 from trainer.spike_guard import all_finite
 
 
 @dataclasses.dataclass(frozen=True)
 class Evaluator:
-    model_config: GPT2Config
-    mesh: Mesh
-    rules: ShardingRules
-    graphdef: nnx.GraphDef
-    param_shardings: nnx.State  # a NamedSharding per parameter
-    abstract_params: nnx.State  # ShapeDtypeStructs with those shardings: the restore target
+    layout: ModelLayout
     batch_sharding: NamedSharding  # of a [B, T + 1] batch
     loss_call: Callable  # jit(params, batch [B, T+1]) -> mean next-token loss
 
     @classmethod
     def build(cls, model_config: GPT2Config, mesh: Mesh, rules: ShardingRules) -> "Evaluator":
-        graphdef, params = nnx.split(abstract_model(model_config, rules), nnx.Param)
-        shardings = named_shardings(params, mesh, rules)
-        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
-        batch = batch_sharding(mesh, rules, ndim=2)
-        loss = jax.jit(lambda p, b: next_token_loss(nnx.merge(graphdef, p), b), in_shardings=(shardings, batch))
-        return cls(model_config, mesh, rules, graphdef, shardings, abstract, batch, loss)
+        return cls.on(ModelLayout.build(model_config, mesh, rules))
+
+    @classmethod
+    def on(cls, layout: ModelLayout) -> "Evaluator":
+        batch = layout.batch_sharding(ndim=2)
+        graphdef = layout.graphdef
+        loss = jax.jit(lambda p, b: next_token_loss(nnx.merge(graphdef, p), b),
+                       in_shardings=(layout.param_shardings, batch))
+        return cls(layout, batch, loss)
 
     def params_finite(self, params: nnx.State) -> bool:
         return bool(_all_finite(params))
-
-    def model(self, params: nnx.State) -> GPT2:
-        return nnx.merge(self.graphdef, params)
 
     def mean_loss(self, params, batches: Iterable[np.ndarray], limit: int | None) -> tuple[float, int]:
         """Mean next-token loss over the first `limit` batches ([B_local, T+1] each; all when None) and how
@@ -69,6 +65,17 @@ def encode_prompt(prompt: str) -> list[int]:
 
     enc = get_tokenizer()
     return enc.encode(prompt, allowed_special="all") or [enc.eot_token]
+
+
+def prompt_that_fits(prompt: str, new_tokens: int, block_size: int, *, prompt_flag: str, tokens_flag: str,
+                     context: str) -> list[int]:
+    """The prompt's token ids, refused in one line naming both flags when it and `new_tokens` sampled tokens
+    do not fit the model's context (`context` says which)."""
+    ids = encode_prompt(prompt)
+    if len(ids) + new_tokens > block_size:
+        raise ConfigError(f"{prompt_flag} encodes to {len(ids)} tokens; with {tokens_flag}={new_tokens} that"
+                          f" exceeds {context}")
+    return ids
 
 
 def sample(model: GPT2, prompt: list[int], new_tokens: int, *, seed: int, temperature: float,

@@ -14,8 +14,9 @@ import jax
 from flax import nnx
 
 from configs.base import Config
-from configs.errors import CheckpointError, ConfigError
+from errors import CheckpointError, ConfigError
 from gpt2.hf import HFCheckpointError, config_from_hf, from_hf, hf_directory, read_hf_config
+from trainer.layout import ModelLayout
 
 # the GPT2Config fields a Hugging Face config.json describes (gpt2/hf.py: config_from_hf)
 ARCHITECTURE = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "layer_norm_epsilon")
@@ -43,19 +44,19 @@ def resolve(cfg: Config, argv: list[str]) -> Config:
     return dataclasses.replace(cfg, model=model)  # validates again: train.seq_len must fit the new context
 
 
-def load_params(cfg: Config, trainer) -> nnx.State | None:
-    """The weights of `cfg.init_from` in the trainer's parameter shardings (every host reads the whole file,
+def load_params(cfg: Config, layout: ModelLayout) -> nnx.State | None:
+    """The weights of `cfg.init_from` in the layout's parameter shardings (every host reads the whole file,
     each device receives only its shards); None without --init_from."""
     if cfg.init_from is None:
         return None
     others = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model) if f.name not in ARCHITECTURE}
     try:
-        model = from_hf(cfg.init_from, mesh=trainer.mesh, rules=trainer.evaluator.rules, **others)
+        model = from_hf(cfg.init_from, mesh=layout.mesh, rules=layout.rules, **others)
     except HFCheckpointError as e:
         raise CheckpointError(f"--init_from: {e}") from None
     assert model.config == cfg.model, (model.config, cfg.model)
     # the same layouts; device_put only relabels them as the train call was compiled for (no data moves)
-    return jax.device_put(nnx.state(model, nnx.Param), trainer.evaluator.param_shardings)
+    return jax.device_put(nnx.state(model, nnx.Param), layout.param_shardings)
 
 
 def model_flags(argv: list[str]) -> set[str]:

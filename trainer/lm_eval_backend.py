@@ -30,9 +30,11 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
-from configs.errors import CheckpointError, ConfigError
+from errors import CheckpointError, ConfigError
 from data.tokenizer import EOT, get_tokenizer
 from trainer.evaluation import Evaluator
+from trainer.processes import say
+from trainer.run_dir import eval_record
 
 SHORTEST = 64  # the smallest padded length
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's own default for generate_until
@@ -198,10 +200,10 @@ class GPT2LM(TemplateLM):
         return next(n for n in self.lengths if n >= length)
 
     def _call(self, inputs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        sharding = self.evaluator.batch_sharding
+        sharding, layout = self.evaluator.batch_sharding, self.evaluator.layout
         put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])  # noqa: E731
-        with jax.set_mesh(self.evaluator.mesh):
-            logprobs, greedy = score(self.evaluator.graphdef, self.params, put(inputs), put(targets))
+        with jax.set_mesh(layout.mesh):
+            logprobs, greedy = score(layout.graphdef, self.params, put(inputs), put(targets))
         return np.asarray(logprobs), np.asarray(greedy)
 
 
@@ -251,11 +253,9 @@ def evaluate_tasks(evaluator: Evaluator, params, *, tasks: str, include_path: st
     figures = {task: {name.removesuffix(",none"): value for name, value in metrics.items()
                       if isinstance(value, (int, float)) and not isinstance(value, bool) and name != "sample_len"}
                for task, metrics in out["results"].items()}
-    record = {"key": ",".join(f"{k}={v}" for k, v in settings.items()), **settings, "lm_eval": figures,
-              "documents": {task: n["effective"] for task, n in out["n-samples"].items()},
-              "lm_eval_version": lm_eval.__version__}
-    if jax.process_index() == 0:
-        where = f"step {key['step']}" if key.get("step") is not None else "model"
-        print(f"{where}: lm-eval {settings['tasks']} (max_length {max_length}, limit {settings['limit']})")
-        print(make_table(out))
+    record = eval_record(settings, lm_eval=figures, lm_eval_version=lm_eval.__version__,
+                         documents={task: n["effective"] for task, n in out["n-samples"].items()})
+    where = f"step {key['step']}" if key.get("step") is not None else "model"
+    say(f"{where}: lm-eval {settings['tasks']} (max_length {max_length}, limit {settings['limit']})\n"
+        f"{make_table(out)}")
     return record

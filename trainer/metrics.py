@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from configs.base import Config
+from trainer.processes import is_process_0
 from trainer.run_dir import RunDir, storage_errors
 
 # Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets.
@@ -113,7 +114,7 @@ class MetricsLogger:
 
     def __init__(self, config: Config, run_dir: RunDir, *, wandb_id: str | None, wandb_mode: str, start_step: int,
                  rollbacks: int = 0):
-        self.active = jax.process_index() == 0
+        self.active = is_process_0()
         self.run_dir = run_dir
         self.history: list[dict] = []
         self.wandb = None

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 from etils import epath
 
-from configs.errors import RunDirError
+from errors import StorageError, first_line
 
 LOCK, HOLDER = ".lock", ".lock.json"
 
@@ -59,8 +59,7 @@ def _filesystem(path):
 def oserror_reason(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return text or type(e).__name__
+    return first_line(e)
 
 
 def _storage_exceptions() -> tuple[type[BaseException], ...]:
@@ -82,13 +81,13 @@ def storage_errors(what: str, path) -> Iterator[None]:
     """Turns a storage error into one line naming the path and the reason."""
     try:
         yield
-    except RunDirError:
+    except StorageError:
         raise
     except _storage_exceptions() as e:
         reason = oserror_reason(e)
         if isinstance(e, FileNotFoundError) and is_remote(path):  # gcsfs names only the request's URL
             reason = "not found (does the bucket exist, and may these credentials use it?)"
-        raise RunDirError(f"cannot {what} {path}: {reason}") from None
+        raise StorageError(f"cannot {what} {path}: {reason}") from None
 
 
 def atomic_write(path: epath.Path, data: str | bytes) -> None:
@@ -224,7 +223,7 @@ class RunDir:
         self.remote = is_remote(self.path)
         self._lock = None
         if self.remote and importlib.util.find_spec("gcsfs") is None:
-            raise RunDirError(f"{path}: a run directory on cloud storage needs the gcs extra"
+            raise StorageError(f"{path}: a run directory on cloud storage needs the gcs extra"
                               " (pip install -e '.[gcs]')")
 
     def __truediv__(self, name: str) -> epath.Path:
@@ -317,9 +316,9 @@ class RunDir:
         return holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) \
             and not _pid_alive(holder["pid"])
 
-    def _in_use(self, holder_file: epath.Path) -> RunDirError:
+    def _in_use(self, holder_file: epath.Path) -> StorageError:
         hint = f"; if it is dead, delete {holder_file}" if self.remote else ""
-        return RunDirError(f"{self.path} is in use by another trainer ({self._holder(holder_file)}); wait for it"
+        return StorageError(f"{self.path} is in use by another trainer ({self._holder(holder_file)}); wait for it"
                            f" to finish or choose another --run_dir{hint}")
 
     @staticmethod
@@ -413,7 +412,7 @@ class RunDir:
                 if i == len(lines) - 1 and repair:
                     warn(f"{path}: dropped a torn last line (a kill or a full disk during its write)")
                     continue
-                raise RunDirError(f"{path}: line {i + 1} is not a JSON record; fix or remove the file") from None
+                raise StorageError(f"{path}: line {i + 1} is not a JSON record; fix or remove the file") from None
         return records
 
     # ---- plots and evaluation results ------------------------------------------------------------
@@ -424,6 +423,12 @@ class RunDir:
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png", dpi=100)
         atomic_write(self.path / name, buffer.getvalue())
+
+
+def eval_record(settings: dict, **figures) -> dict:
+    """An eval.json record: its key (every setting that changes the figures, in order), the settings, the
+    figures."""
+    return {"key": ",".join(f"{k}={v}" for k, v in settings.items()), **settings, **figures}
 
 
 def merge_eval_results(path, records: list[dict]) -> None:
@@ -442,7 +447,7 @@ def merge_eval_results(path, records: list[dict]) -> None:
         except (OSError, ValueError, KeyError, TypeError):
             existing = None
         if not (isinstance(existing, list) and all(isinstance(r, dict) and "key" in r for r in existing)):
-            raise RunDirError(f"{path}: not an eval.json written by eval.py; move it away or pass another --out")
+            raise StorageError(f"{path}: not an eval.json written by eval.py; move it away or pass another --out")
     keys = {r["key"] for r in records}
     merged = [r for r in existing if r["key"] not in keys] + records
     with storage_errors("create", path.parent):

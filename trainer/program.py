@@ -1,7 +1,5 @@
-"""The train state and the jitted train call: up to K optimizer steps in one scan.
-
-The model is kept as (graphdef, params): the jitted function takes the parameter pytree and rebuilds the
-module with `nnx.merge` at trace time only, so each call is a plain XLA executable over arrays.
+"""The training program: the train state's layout, the optimizer, and the jitted train call that runs up to
+K optimizer steps in one scan. It holds no arrays; `trainer/loop.py` drives it.
 """
 
 from __future__ import annotations
@@ -18,8 +16,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from configs.base import Config
 from gpt2.model import GPT2, next_token_loss
 from gpt2.sharded_init import create_sharded_model
-from gpt2.sharding import ShardingRules, batch_sharding
+from gpt2.sharding import ShardingRules
 from trainer.evaluation import Evaluator
+from trainer.layout import ModelLayout
 from trainer.optim import lr_schedule, make_optimizer
 from trainer.spike_guard import all_finite, init_stats, is_outlier, update_stats
 
@@ -29,21 +28,23 @@ TrainState = dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
-class Trainer:
-    """The static parts of a run: everything the jitted train call closes over."""
+class TrainProgram:
+    """Everything the jitted train call closes over: the model's layout, the optimizer and the state's
+    shardings."""
 
     config: Config
-    evaluator: Evaluator  # the model's structure, mesh, rules and parameter shardings, and validation loss
+    layout: ModelLayout  # the model's graph, mesh, rules and parameter shardings
+    evaluator: Evaluator  # validation loss on the same layout (the loop's evaluations and its pre-save probe)
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     state_shardings: TrainState  # NamedSharding per leaf
     batch_sharding: NamedSharding  # of a [K, B, T + 1] stack of batches
 
     @classmethod
-    def build(cls, config: Config, mesh: Mesh) -> "Trainer":
-        evaluator = Evaluator.build(config.model, mesh, ShardingRules.preset(config.mesh.rules))
+    def build(cls, config: Config, mesh: Mesh) -> "TrainProgram":
+        layout = ModelLayout.build(config.model, mesh, ShardingRules.preset(config.mesh.rules))
         tx = make_optimizer(config.optim, config.train.steps)
-        params, param_shardings = evaluator.abstract_params, evaluator.param_shardings
+        params, param_shardings = layout.abstract_params, layout.param_shardings
         replicated = NamedSharding(mesh, PartitionSpec())
         opt_shardings = optax.tree_map_params(
             tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings,
@@ -53,16 +54,16 @@ class Trainer:
                      "rng": replicated}
         if config.guard.skip_spikes:
             shardings["guard"] = jax.tree.map(lambda _: replicated, init_stats())
-        return cls(config, evaluator, tx, lr_schedule(config.optim, config.train.steps), shardings,
-                   batch_sharding(mesh, evaluator.rules, ndim=3))
+        return cls(config, layout, Evaluator.on(layout), tx, lr_schedule(config.optim, config.train.steps),
+                   shardings, layout.batch_sharding(ndim=3))
 
     @property
     def mesh(self) -> Mesh:
-        return self.evaluator.mesh
+        return self.layout.mesh
 
     @property
     def abstract_params(self) -> nnx.State:
-        return self.evaluator.abstract_params
+        return self.layout.abstract_params
 
     def abstract_state(self, *, guard: bool | None = None) -> TrainState:
         """ShapeDtypeStructs with shardings: the restore target, and the AOT compiler's input. `guard`: with or
@@ -93,7 +94,7 @@ class Trainer:
         """Fresh parameters (born sharded), or the given ones in their shardings (a fine-tune's starting
         weights), and a fresh optimizer state with the same layout."""
         if params is None:
-            model = create_sharded_model(self.config.model, self.mesh, self.evaluator.rules,
+            model = create_sharded_model(self.config.model, self.mesh, self.layout.rules,
                                          seed=self.config.train.seed)
             params = nnx.state(model, nnx.Param)
         opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings["opt_state"])(params)
@@ -111,7 +112,7 @@ class Trainer:
         return self.config.guard.skip_spikes
 
     def model(self, params: nnx.State) -> GPT2:
-        return self.evaluator.model(params)
+        return self.layout.model(params)
 
     # ---- the jitted call ------------------------------------------------------------------------
 

@@ -1,0 +1,70 @@
+"""The application's errors: each is a user's mistake or an environment fault, reported as one `error:` line and
+exit status 2 by every entry point (train.py, eval.py, `python -m data.prepare`, `python -m tools.export_hf`).
+
+Grouped by what went wrong. This module imports nothing, so every package (the model in `gpt2/`, the corpus
+writer in `data/` that must start without JAX) raises these same classes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Callable
+
+
+class UserError(Exception):
+    """Something the user can fix; the message names the flag, file or path and what to do."""
+
+    # True when background threads (Orbax's writers) are mid-failure: the program must end at once, since an
+    # orderly interpreter shutdown would join them and bury the one line under their tracebacks.
+    abandon_threads = False
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration value or command-line argument is invalid; the message names the flag."""
+
+
+class DataError(UserError, ValueError):
+    """Bad or missing data; the message names the path and the problem."""
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint (ours or a Hugging Face one) cannot be used for this run; the message says why."""
+
+
+class StorageError(UserError, OSError):
+    """The run directory or its storage cannot be used (held by another trainer, unwritable, full, corrupt)."""
+
+
+class TrainingError(UserError, RuntimeError):
+    """The run itself failed (diverged, or a checkpoint could not be written); the newest good checkpoint is
+    named in the message."""
+
+
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """An exception as a one-line reason: its message's first line, or its type's name when it has none."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__
+
+
+def fail(message: str):
+    """Ends the program with one `error:` line and exit status 2."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def one_line_errors(main: Callable[..., int]) -> Callable[..., int]:
+    """An entry point whose user-facing errors end it with one line and exit status 2, never a traceback."""
+
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs) -> int:
+        try:
+            return main(*args, **kwargs)
+        except UserError as e:
+            if e.abandon_threads:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                os._exit(2)
+            fail(str(e))
+
+    return wrapped

@@ -1,0 +1,77 @@
+"""Library log records (absl / Python logging from Orbax, Grain, JAX, gcsfs) go to the run directory's
+`logs/process_<i>.log`, not the console."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import jax
+
+from trainer.run_dir import append, is_remote, oserror_reason, warn
+
+
+@contextlib.contextmanager
+def library_logs_to(directory) -> Iterator[None]:
+    """Sends library log records (absl / Python logging: Orbax, Grain, JAX, gcsfs) to
+    <directory>/process_<i>.log instead of the console, where a failing background write would print hundreds
+    of lines before the one line that says what happened. A log that cannot be written (full disk) is dropped
+    silently. On cloud storage the records go to a local temporary file that is appended to the log object
+    at exit (a process killed with -9 leaves it in the temporary directory instead)."""
+    import logging
+
+    from absl import logging as absl_logging
+
+    name = f"process_{jax.process_index()}.log"
+    local, failing = None, False
+    try:
+        if is_remote(directory):
+            local = os.path.join(tempfile.gettempdir(), f"gpt2-nnx-{os.getpid()}-{name}")  # made at the first record
+            handler = logging.FileHandler(local, delay=True)
+        else:
+            directory.mkdir(exist_ok=True)  # inside an existing run directory only
+            handler = logging.FileHandler(str(directory / name), delay=True)
+    except OSError:
+        handler = logging.NullHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root, absl_handler = logging.getLogger(), absl_logging.get_absl_handler()
+    saved = (list(root.handlers), absl_handler.level, logging.raiseExceptions)
+    for h in saved[0]:
+        root.removeHandler(h)
+    root.addHandler(handler)
+    absl_handler.setLevel(logging.CRITICAL + 1)  # absl's own stderr handler
+    logging.raiseExceptions = False  # a full disk must not print "--- Logging error ---" blocks
+    try:
+        yield
+    except BaseException:
+        # Failing: background threads (Orbax's writers) may still log their side of it; they must not reach
+        # the console either, so the console handlers stay detached.
+        root.addHandler(logging.NullHandler())
+        failing = True
+        raise
+    else:
+        for h in saved[0]:
+            root.addHandler(h)
+        absl_handler.setLevel(saved[1])
+        logging.raiseExceptions = saved[2]
+    finally:
+        root.removeHandler(handler)
+        with contextlib.suppress(OSError):
+            handler.close()
+        if local is not None:
+            _upload_log(local, directory / name, quiet=failing)
+
+
+def _upload_log(local: str, target, *, quiet: bool) -> None:
+    """Appends a local log file to its object and removes it; a log that cannot be uploaded stays local (said
+    in a warning, unless the run is failing: then its own error is the one line to print)."""
+    try:
+        if os.path.exists(local):
+            append(target, Path(local).read_bytes())
+            os.remove(local)
+    except Exception as e:  # noqa: BLE001 - a storage error here must not replace the run's own outcome
+        if not quiet:
+            warn(f"library logs not uploaded to {target} ({oserror_reason(e)}); they are in {local}")

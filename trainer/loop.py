@@ -1,0 +1,196 @@
+"""The training loop: the host's side of training, from a restored state to the stop step.
+
+JAX dispatches asynchronously, so the host reads and transfers call n+1's batches and dispatches it while call n
+runs, then reads call n's metrics (logged one call late). At an evaluation, a checkpoint, the stop step or a
+preemption the loop waits for the call instead, so those happen at exactly their steps; train.async_calls=False
+waits after every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from configs.base import Config
+from data.loader import rows_consumed
+from errors import UserError
+from trainer.corpus import val_dataset
+from trainer.faults import Preemption, finishing_saves, health, roll_back, save_errors
+from trainer.metrics import peak_flops_per_device
+from trainer.profiler import Profile
+
+if TYPE_CHECKING:
+    from trainer.training import TrainingRun
+
+
+def steps_this_call(step: int, stop: int, cfg: Config) -> int:
+    """Steps the next call takes: K, or fewer so that the call ends exactly at the next evaluation,
+    checkpoint or stop (a call's steps only run where its active mask says so: no second executable)."""
+    t = cfg.train
+    ends = [stop, step + t.steps_per_call, (step // cfg.checkpoint.every + 1) * cfg.checkpoint.every]
+    if t.eval_every:
+        ends.append((step // t.eval_every + 1) * t.eval_every)
+    return min(ends) - step
+
+
+@dataclasses.dataclass
+class DispatchedCall:
+    """A dispatched train call whose metrics the host has not read yet."""
+
+    step: int  # the step it starts from
+    n: int  # the steps it takes
+    metrics: dict  # device arrays: read one call late
+    batches: jax.Array  # [K, B, T+1]: its last batch probes the state before a save
+    dispatched: float  # time.perf_counter() at dispatch
+
+
+class Loop:
+    """Runs the train call from `state` to the run's stop step, with its evaluations, checkpoints, faults and
+    preemption."""
+
+    def __init__(self, run: TrainingRun, state, preemption: Preemption):
+        self.run, self.cfg, self.state, self.preemption = run, run.cfg, state, preemption
+        t = run.cfg.train
+        self.step = self.first = int(state["step"])  # the step the state reaches when the dispatched calls end
+        self.stop = min(t.steps, t.stop_after or t.steps)
+        self.peak = peak_flops_per_device(t.peak_flops) * jax.device_count()
+        self.bar = tqdm(total=t.steps, initial=self.step, unit="step", dynamic_ncols=True,
+                        disable=not (run.cfg.log.progress and run.logger.active))
+        self.calls, self.last_ready = 0, 0.0
+        self.evaluate = make_evaluator(run)
+
+    def run_to_stop(self):
+        call, pending = self.run.program.train_call(), None
+        profile = Profile(self.cfg.log, self.run.run_dir / "profile")
+        with finishing_saves(self.run.ckpt), profile as self.profile:
+            while self.step < self.stop:
+                n = steps_this_call(self.step, self.stop, self.cfg)
+                batches, active = self.run.next_batches(n)  # while the previous call runs on the devices
+                self.profile.before_call(self.step, n)
+                self.state, metrics = call(self.state, batches, active)
+                dispatched = DispatchedCall(self.step, n, metrics, batches, time.perf_counter())
+                self.step += n
+                if pending is not None and not self.finish(pending):
+                    pending = None  # rolled back: the call just dispatched is abandoned with it
+                    continue
+                pending = dispatched
+                saving, done = self.boundary()
+                if saving or done or not self.cfg.train.async_calls or self.at_eval():
+                    pending = None
+                    if self.finish(dispatched, probe=saving):
+                        self.checkpoint_and_evaluate(saving)
+                        if done:
+                            break
+            self.bar.close()
+            with save_errors(self.run.ckpt):
+                self.run.ckpt.wait()
+        if self.preemption.signal_name and self.run.logger.active:
+            print(f"stopped by {self.preemption.signal_name} at step {self.step}; checkpoint saved, restart to resume")
+        return self.state
+
+    def boundary(self) -> tuple[bool, bool]:
+        """(save a checkpoint at self.step, stop there); every process asks at every call (preemption is agreed
+        on by all of them)."""
+        self.calls += 1
+        preempted = self.preemption.requested(self.calls)
+        done = self.step >= self.stop or preempted
+        return self.step % self.cfg.checkpoint.every == 0 or done, done
+
+    def at_eval(self) -> bool:
+        t = self.cfg.train
+        return bool(t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps
+
+    def finish(self, c: DispatchedCall, *, probe: bool = False) -> bool:
+        """Reads a call's metrics, checks them and logs them; False when the run rolled back instead."""
+        metrics = {k: v[: c.n] if np.ndim(v) else v for k, v in jax.device_get(c.metrics).items()}  # waits
+        ready = time.perf_counter()
+        elapsed, self.last_ready = ready - max(c.dispatched, self.last_ready), ready
+        problem = health(self.run, self.state, metrics, c.step, c.batches[c.n - 1] if probe else None)
+        if problem is not None:
+            self.state = None  # the abandoned calls' state: free it before a checkpoint's is restored beside it
+            self.state, self.step = roll_back(self.run, problem, self.step)
+            restart_bar(self.bar, self.step)
+            self.last_ready = 0.0
+            return False
+        reached = log_call(self.run, self.bar, c.step, metrics, elapsed, self.peak)
+        self.profile.after_call(reached)
+        if c.step == self.first:  # the first call compiled: the ETA counts from the calls after it
+            restart_bar(self.bar, reached)
+        return True
+
+    def checkpoint_and_evaluate(self, saving: bool) -> None:
+        run = self.run
+        if self.at_eval():
+            self.evaluate(self.state["params"], self.step, self.bar)
+        if saving:
+            with save_errors(run.ckpt):
+                run.ckpt.save(self.step, self.state, run.train_iter,
+                              {**run.meta, "data_rows": rows_consumed_or_none(run)})
+
+
+def restart_bar(bar, step: int) -> None:
+    """The progress bar at `step`, its rate and ETA measured from now on."""
+    bar.reset(total=bar.total)
+    bar.initial = bar.n = bar.last_print_n = step
+
+
+def log_call(run: TrainingRun, bar, step: int, metrics: dict, elapsed: float, peak: float) -> int:
+    """Logs a call's steps (metrics.jsonl, wandb, the bar); returns the step reached."""
+    t, n = run.cfg.train, len(metrics["loss"])
+    tokens_per_s = n * t.batch_size * t.seq_len / elapsed
+    mfu = tokens_per_s * run.cfg.model.flops_per_token(t.seq_len) / peak
+    for i in range(n):
+        step += 1
+        record = {
+            "step": step, "loss": number(metrics["loss"][i]), "lr": float(metrics["lr"][i]),
+            "grad_norm": number(metrics["grad_norm"][i]), "tokens": step * t.batch_size * t.seq_len,
+            "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_flops": peak,
+        }
+        if run.program.guarded:
+            record["skipped"] = int(metrics["skipped"][i])
+            if record["skipped"] and run.logger.active:
+                bar.write(f"step {step}: update skipped by the spike guard (loss {record['loss']}, grad_norm"
+                          f" {record['grad_norm']})")
+                if int(metrics["streak"][i]) == run.cfg.guard.warmup:
+                    bar.write(f"step {step}: {run.cfg.guard.warmup} steps in a row skipped (guard.warmup): the loss"
+                              " or gradient norm moved to a new level; the spike guard restarts its statistics")
+        run.logger.log(record)
+    bar.update(n)
+    bar.set_postfix(loss=f"{metrics['loss'][-1]:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{mfu:.1%}")
+    return step
+
+
+def number(x) -> float | None:
+    """A metric for JSON: None for a non-finite value (a step the spike guard skipped)."""
+    return float(x) if np.isfinite(x) else None
+
+
+def rows_consumed_or_none(run: TrainingRun) -> int | None:
+    """Rows of the global permutation read so far (None with Grain worker processes: position kept exactly
+    by Grain's own state, but it cannot be regrouped)."""
+    try:
+        return rows_consumed(run.train_iter, run.cfg.train.batch_size)
+    except UserError:
+        return None
+
+
+def make_evaluator(run: TrainingRun):
+    """The loop's periodic evaluation: validation loss on the same batches every time, logged and plotted."""
+    cfg, evaluator = run.cfg, run.program.evaluator
+    val = val_dataset(run.corpus, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
+                      batch_size=cfg.train.batch_size, prefetch=cfg.data.prefetch)
+
+    def evaluate(params, step, bar) -> float:
+        val_loss, _ = evaluator.mean_loss(params, val, cfg.train.eval_batches)
+        run.logger.log({"step": step, "val_loss": val_loss})
+        run.logger.plot()
+        if run.logger.active:
+            bar.write(f"step {step}: val_loss {val_loss:.4f}")
+        return val_loss
+
+    return evaluate

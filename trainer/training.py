@@ -1,0 +1,182 @@
+"""One training run from a Config: start-up checks, the run directory, the mesh and program, resume, the loop,
+the final sample and the outputs. `train.py` parses the configuration and calls `train`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+
+from configs.base import Config
+from data.loader import Corpus, corpus_identity, make_dataset, to_global
+from errors import UserError
+from gpt2.sharded_init import param_report, visualize_param
+from trainer.checkpoint import Checkpoints
+from trainer.corpus import resolve_corpus, train_loader_config
+from trainer.evaluation import prompt_that_fits, sample
+from trainer.faults import Preemption
+from trainer.library_logs import library_logs_to
+from trainer.loop import Loop
+from trainer.mesh import build_mesh
+from trainer.metrics import MetricsLogger, resolve_wandb_mode
+from trainer.processes import initialize_distributed, is_process_0, on_process_0, say
+from trainer.program import TrainProgram
+from trainer.resume import Restored, restore
+from trainer.run_dir import RunDir
+
+
+@dataclasses.dataclass
+class TrainingRun:
+    """Everything the training loop works with."""
+
+    cfg: Config
+    program: TrainProgram
+    run_dir: RunDir
+    ckpt: Checkpoints
+    corpus: Corpus
+    train_iter: object  # Grain iterator of [B_local, T+1] batches
+    logger: MetricsLogger | None = None
+    meta: dict = dataclasses.field(default_factory=dict)  # saved with every checkpoint
+
+    def next_batches(self, n: int) -> tuple[jax.Array, np.ndarray]:
+        """The next n batches as one global [K, B, T+1] array (zero-padded to K) and the [K] active mask."""
+        k = self.cfg.train.steps_per_call
+        local = [next(self.train_iter) for _ in range(n)]
+        local += [np.zeros_like(local[0])] * (k - n)
+        return to_global(np.stack(local), self.program.batch_sharding), np.arange(k) < n
+
+
+def train(cfg: Config) -> int:
+    """Trains (or resumes) the run `cfg` describes; 0 when it finished, stopped as asked or was preempted."""
+    check_sample_prompt(cfg)
+    initialize_distributed(cfg.distributed)
+    mesh = build_mesh(cfg)
+    corpus = resolve_corpus(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
+    run_dir = RunDir(cfg.run_dir)
+    take_run_dir(run_dir)  # the first write to the run directory
+    try:
+        program = TrainProgram.build(cfg, mesh)
+        run = TrainingRun(cfg, program, run_dir, Checkpoints(run_dir.path, cfg.checkpoint), corpus,
+                          iter(make_dataset(corpus.files("train"), cfg.model.vocab_size, train_loader_config(cfg))))
+        with jax.set_mesh(mesh), library_logs_to(run_dir / "logs"):
+            train_run(run)
+        return 0
+    finally:
+        run_dir.unlock()
+
+
+def train_run(run: TrainingRun) -> None:
+    restored = restore(run)
+    if nothing_to_do(run, restored):
+        run.ckpt.close()
+        return
+    wandb_mode = restored.meta.get("wandb_mode") or resolve_wandb_mode(run.cfg.log.wandb)
+    start_up(run, restored, wandb_mode)
+    try:
+        with Preemption() as preemption:
+            state = Loop(run, restored.state, preemption).run_to_stop()
+        if int(state["step"]) >= run.cfg.train.steps and run.cfg.train.sample_tokens:
+            say(sample_text(run.cfg, run.program, state))  # every process: the parameters may span them all
+        run.logger.plot()
+    except BaseException:
+        run.logger.close(quietly=True)  # the error being raised is the one to report
+        raise
+    run.logger.close()
+    done = outputs(run, wandb_mode)
+    run.ckpt.close()
+    say(done)
+
+
+def nothing_to_do(run: TrainingRun, restored: Restored) -> bool:
+    stop_after = run.cfg.train.stop_after
+    past_stop = not restored.finished and stop_after is not None and stop_after <= restored.step
+    if past_stop:
+        say(f"{run.run_dir.path}: already at step {restored.step}, train.stop_after={stop_after}; nothing to do")
+    return restored.finished or past_stop
+
+
+def start_up(run: TrainingRun, restored: Restored, wandb_mode: str) -> None:
+    """The config record, the start-up summary, the metrics logger and the metadata every checkpoint keeps."""
+    cfg, saved, start = run.cfg, restored.meta, restored.step
+    config = dataclasses.asdict(cfg)
+    if is_process_0():
+        run.run_dir.record_config(config, start)
+        print(summary(run, start, wandb_mode))
+        if cfg.log.print_config:
+            print(json.dumps(config, indent=2))
+        if cfg.log.param_report:
+            print(param_report(run.program.model(restored.state["params"]), run.program.mesh))
+        if cfg.log.show_sharding:
+            visualize_param(run.program.model(restored.state["params"]), cfg.log.show_sharding)
+    run.logger = MetricsLogger(cfg, run.run_dir, wandb_id=saved.get("wandb_id"), wandb_mode=wandb_mode,
+                               start_step=start, rollbacks=saved.get("rollbacks", 0))
+    run.ckpt.before_save(run.logger.sync)  # a checkpoint's records are durable before it can exist
+    run.meta = {"config": config, "wandb_id": run.logger.wandb_id, "wandb_mode": wandb_mode,
+                "corpus": corpus_identity(run.corpus), "rollbacks": saved.get("rollbacks", 0)}
+
+
+def summary(run: TrainingRun, start: int, wandb_mode: str) -> str:
+    """The start-up screen: what runs where, in a few lines (the full config is in config.json)."""
+    cfg, m, t, mesh = run.cfg, run.cfg.model, run.cfg.train, run.program.mesh
+    meta = run.corpus.meta
+    per_device = sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                     for a in jax.tree.leaves(run.program.abstract_params)) / 2**20
+    return "\n".join([
+        f"run      {run.run_dir.path} ({'resumed at step ' + str(start) if start else 'new'}; config.json)",
+        f"model    {m.num_params():,} parameters: {m.n_layer} layers, {m.n_head} heads, width {m.n_embd},"
+        f" context {m.block_size}, {m.dtype} compute",
+        f"mesh     {mesh.size} × {jax.devices()[0].platform}: data {mesh.shape['data']} × fsdp {mesh.shape['fsdp']}"
+        f" × tensor {mesh.shape['tensor']}, rules {cfg.mesh.rules} (~{per_device:,.1f} MiB of parameters per device)",
+        f"data     {run.corpus.directory}: {meta.get('train_tokens', 0):,} train / {meta.get('val_tokens', 0):,}"
+        " val tokens",
+        f"steps    {t.steps:,} steps of {t.batch_size} × {t.seq_len} = {t.batch_size * t.seq_len:,} tokens,"
+        f" {t.steps_per_call} per call; eval every {t.eval_every or t.steps}, checkpoint every"
+        f" {cfg.checkpoint.every}",
+        f"logs     metrics.jsonl, loss.png, logs/; wandb {wandb_mode}",
+    ])
+
+
+def outputs(run: TrainingRun, wandb_mode: str) -> str:
+    """The end-of-run line: where everything went."""
+    d = run.run_dir.path
+    steps = ",".join(str(s) for s in run.ckpt.all_steps())
+    where = f"checkpoints {d / 'checkpoints'}/{{{steps}}}, metrics {d / 'metrics.jsonl'}, plot {d / 'loss.png'}"
+    if wandb_mode == "offline":
+        where += f", wandb offline (upload: wandb sync {run.run_dir.local / 'wandb'}/offline-run-*)"
+    return f"outputs: {where}"
+
+
+def take_run_dir(run_dir: RunDir) -> None:
+    """Process 0 takes the run directory's lock for the whole job (all processes of a job are one writer) and
+    checks that checkpoints/ is writable (Orbax would otherwise stall for minutes before failing); if either
+    fails, every process stops."""
+
+    def take() -> None:
+        run_dir.lock()
+        run_dir.check_writable("checkpoints")
+
+    try:
+        on_process_0(take, f"take the run directory {run_dir.path}")
+    except UserError:
+        run_dir.unlock()
+        raise
+
+
+def check_sample_prompt(cfg: Config) -> None:
+    if cfg.train.sample_tokens:
+        sample_prompt(cfg)
+
+
+def sample_prompt(cfg: Config) -> list[int]:
+    t, context = cfg.train, cfg.model.block_size
+    return prompt_that_fits(t.sample_prompt, t.sample_tokens, context, prompt_flag="train.sample_prompt",
+                            tokens_flag="train.sample_tokens", context=f"model.block_size={context}")
+
+
+def sample_text(cfg: Config, program: TrainProgram, state) -> str:
+    text = sample(program.model(state["params"]), sample_prompt(cfg), cfg.train.sample_tokens,
+                  seed=cfg.train.seed, temperature=0.8, top_k=200)
+    return f"--- sample ---\n{text}\n--------------"
