@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gpt2.config import GPT2Config
+from gpt2.sharding import ShardingRules
+from gpt2.splash import splash_attention, target_platform
 
 # (k, v) of the attention's keys and values: each [B, S, H, K] for one block; GPT2.decode keeps all blocks'
 # caches stacked as [L, B, S, H, K] (the scan over layers hands each block its slice).
@@ -56,9 +58,15 @@ class CausalSelfAttention(nnx.Module):
 
     `c_attn.kernel` is stored as [D, 3, H, K] (GPT-2's [D, 3·D] with the output split into q|k|v, heads,
     head dim) so that tensor parallelism can shard whole heads.
+
+    Args:
+      config: the architecture; `attention` picks the implementation (see `attention_implementation`).
+      rngs: parameter initialization randomness.
+      rules: how batch and heads are split over the mesh, for the splash kernel's `shard_map` (None: the
+        kernel sees whole arrays).
     """
 
-    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, rules: ShardingRules | None = None):
         D, H, K = config.n_embd, config.n_head, config.head_dim
         dtypes = dict(dtype=config.compute_dtype, param_dtype=config.parameter_dtype)
         # [D] -> [(q,k,v), H, K]
@@ -75,13 +83,16 @@ class CausalSelfAttention(nnx.Module):
             bias_metadata=param_meta("embed"), rngs=rngs, **dtypes,
         )
         self.resid_dropout = nnx.Dropout(config.dropout)
-        self.attention = None if config.attention == "auto" else config.attention
+        self.attention = config.attention
         self.query_blocks = config.attention_query_blocks
+        self.splash_blocks = (config.splash_block_q, config.splash_block_kv)  # a tuple: graph statics are hashed
+        self.rules = rules
 
     def __call__(
         self,
         x: jax.Array,  # [B, T, D]
         *,
+        segment_ids: jax.Array | None = None,  # [B, T] int: documents packed in a row see only themselves
         cache: KVCache | None = None,
         cache_index: jax.Array | None = None,  # position of x[:, 0] in the cache
         dropout_key: jax.Array | None = None,
@@ -89,8 +100,8 @@ class CausalSelfAttention(nnx.Module):
         qkv = self.c_attn(x)  # [B, T, 3, H, K]
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, T, H, K]
         if cache is None:
-            y = self._causal_attention(q, k, v)
-        else:
+            y = self._causal_attention(q, k, v, segment_ids)
+        else:  # decoding: the prompt, then one token at a time, against the cache (small: dense is fine)
             k, v = _update_cache(cache, k, v, cache_index)  # each [B, S, H, K]
             cache = (k, v)
             y = jax.nn.dot_product_attention(q, k, v, mask=_causal_mask(q, k, cache_index))
@@ -98,18 +109,36 @@ class CausalSelfAttention(nnx.Module):
         y = self.resid_dropout(y, deterministic=dropout_key is None, rngs=dropout_key)
         return y, cache
 
-    def _causal_attention(self, q, k, v) -> jax.Array:  # each [B, T, H, K] -> [B, T, H, K]
+    def _causal_attention(self, q, k, v, segment_ids) -> jax.Array:  # each [B, T, H, K] -> [B, T, H, K]
+        implementation = attention_implementation(self.attention)
+        if implementation == "splash":  # skips the masked blocks itself: query_blocks does not apply
+            block_q, block_kv = self.splash_blocks
+            return splash_attention(q, k, v, segment_ids, block_q=block_q, block_kv=block_kv, rules=self.rules)
         T, n = q.shape[1], self.query_blocks
-        if n == 1 or T % n:
-            # The causal flag, not a materialized [T, T] mask, lets XLA/cuDNN/TPU kernels skip the work.
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
+        if n == 1 or T % n or segment_ids is not None:
+            # The causal flag, not a materialized [T, T] mask, lets XLA/cuDNN kernels skip the work.
+            mask = None if segment_ids is None else _same_segment(segment_ids)
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
         size, outs = T // n, []
         for i in range(n):  # query block i sees keys [0, (i + 1)·size): the blocks right of it are all masked
             start, end = i * size, (i + 1) * size
             q_block, k_prefix = q[:, start:end], k[:, :end]
-            outs.append(jax.nn.dot_product_attention(q_block, k_prefix, v[:, :end], implementation=self.attention,
+            outs.append(jax.nn.dot_product_attention(q_block, k_prefix, v[:, :end], implementation=implementation,
                                                      mask=_causal_mask(q_block, k_prefix, start)))
         return jnp.concatenate(outs, axis=1)
+
+
+def attention_implementation(choice: str) -> str | None:
+    """What `model.attention` means for the program being traced: "splash", "xla", "cudnn", or None (let
+    jax.nn.dot_product_attention choose: cuDNN on GPUs where it can, else XLA).
+
+    "auto" is resolved here, when the attention is traced, and not in GPT2Config or at construction: the model's
+    structure is built before any mesh exists (Evaluator.build), and only the trace knows its target — the mesh
+    in context (`jax.set_mesh`), which is a TPU topology's when trainer/aot.py compiles for TPUs on a CPU host.
+    """
+    if choice != "auto":
+        return choice
+    return "splash" if target_platform() == "tpu" else None
 
 
 def _update_cache(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array) -> KVCache:
@@ -118,6 +147,10 @@ def _update_cache(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array) 
     k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
     v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
     return k_cache, v_cache
+
+
+def _same_segment(segment_ids: jax.Array) -> jax.Array:  # [B, T] -> [B, 1, T, T]
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
 def _causal_mask(q: jax.Array, k: jax.Array, index) -> jax.Array:
@@ -154,9 +187,9 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-LayerNorm transformer block (GPT-2, Radford et al. 2019, section 2.3)."""
 
-    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, rules: ShardingRules | None = None):
         self.ln_1 = LayerNorm(config, rngs=rngs)
-        self.attn = CausalSelfAttention(config, rngs=rngs)
+        self.attn = CausalSelfAttention(config, rngs=rngs, rules=rules)
         self.ln_2 = LayerNorm(config, rngs=rngs)
         self.mlp = MLP(config, rngs=rngs)
 
@@ -164,13 +197,15 @@ class Block(nnx.Module):
         self,
         x: jax.Array,  # [B, T, D]
         *,
+        segment_ids: jax.Array | None = None,  # [B, T]
         cache: KVCache | None = None,
         cache_index: jax.Array | None = None,
         dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         k_attn, k_mlp = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         with jax.named_scope("attn"):
-            a, cache = self.attn(self.ln_1(x), cache=cache, cache_index=cache_index, dropout_key=k_attn)
+            a, cache = self.attn(self.ln_1(x), segment_ids=segment_ids, cache=cache, cache_index=cache_index,
+                                 dropout_key=k_attn)
         x = x + a
         with jax.named_scope("mlp"):
             x = x + self.mlp(self.ln_2(x), dropout_key=k_mlp)

@@ -41,9 +41,9 @@ class GPT2(nnx.Module):
         )
         self.drop = nnx.Dropout(config.dropout)
         if config.scan_layers:
-            self.h = _stacked_blocks(config, rngs)  # one Block whose parameters are [L, ...]
+            self.h = _stacked_blocks(config, rngs, rules)  # one Block whose parameters are [L, ...]
         else:
-            self.h = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layer)])
+            self.h = nnx.List([Block(config, rngs=rngs, rules=rules) for _ in range(config.n_layer)])
         self.ln_f = LayerNorm(config, rngs=rngs)
 
     def __call__(
@@ -143,13 +143,13 @@ def next_token_loss(model: GPT2, batch: jax.Array, dropout_key: jax.Array | None
     return losses.mean()
 
 
-def _stacked_blocks(config: GPT2Config, rngs: nnx.Rngs) -> Block:
+def _stacked_blocks(config: GPT2Config, rngs: nnx.Rngs, rules: ShardingRules | None) -> Block:
     """L blocks created by vmap: every parameter gains a leading `layers` axis (and logical name)."""
 
     @nnx.split_rngs(splits=config.n_layer)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs: nnx.Rngs) -> Block:
-        return Block(config, rngs=rngs)
+        return Block(config, rngs=rngs, rules=rules)
 
     return make(rngs)
 

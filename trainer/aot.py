@@ -2,7 +2,8 @@
 
 `python train.py --config gpt2_xl_pod --aot v5e:16x16` lowers and compiles exactly what a pod would run
 (model, sharding rules, optimizer, K-step scan, batch) against libtpu's description of the topology, with
-abstract arrays only, and reports per-device memory against the chip's HBM, FLOPs and XLA's step-time estimate.
+abstract arrays only, and reports per-device memory against the chip's HBM and a step-time estimate read from the
+compiled program (trainer/step_time.py).
 """
 
 from __future__ import annotations
@@ -13,17 +14,9 @@ import jax
 
 from configs.base import Config
 from errors import ConfigError
-from trainer.metrics import PEAK_FLOPS
 from trainer.mesh import build_mesh
 from trainer.program import TrainProgram
-
-# HBM per chip in bytes and the devices per host of each generation (Cloud TPU documentation).
-CHIPS = {
-    "v4": dict(hbm=32 * 2**30, host=(2, 2, 1), peak=PEAK_FLOPS["TPU v4"]),
-    "v5e": dict(hbm=16 * 2**30, host=(2, 2, 1), peak=PEAK_FLOPS["TPU v5e"]),
-    "v5p": dict(hbm=95 * 2**30, host=(2, 2, 1), peak=PEAK_FLOPS["TPU v5p"]),
-    "v6e": dict(hbm=32 * 2**30, host=(2, 2, 1), peak=PEAK_FLOPS["TPU v6e"]),
-}
+from trainer.step_time import CHIPS, Chip, StepTimeEstimate, estimate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +30,9 @@ class AotReport:
     hbm_bytes: int
     flops_per_step: float  # per device, from XLA's cost analysis (a loop body counted once)
     model_flops_per_step: float  # per device, 6N + attention
-    optimal_seconds: float  # XLA's step-time estimate for the whole call (<= 0: none given)
+    optimal_seconds: float  # libtpu's cost model for the whole call (< 0: none; see compile_for_topology)
     steps_per_call: int
-
-    @property
-    def estimated_step_s(self) -> float | None:
-        return self.optimal_seconds / self.steps_per_call if self.optimal_seconds > 0 else None
+    step_time: StepTimeEstimate  # predicted from the compiled program, per step
 
     @property
     def total_bytes(self) -> int:
@@ -53,7 +43,7 @@ class AotReport:
     def fits(self) -> bool:
         return self.total_bytes <= self.hbm_bytes
 
-    def text(self, peak: float) -> str:
+    def text(self) -> str:
         gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
         lines = [
             f"AOT compile for {self.topology} ({self.devices} devices), per device:",
@@ -65,18 +55,16 @@ class AotReport:
             f"  FLOPs/step  {self.model_flops_per_step:.3e} (6N + attention); XLA's cost analysis counts"
             f" {self.flops_per_step:.3e} (each scanned loop body once)",
         ]
-        if self.estimated_step_s:
-            mfu = self.model_flops_per_step / self.estimated_step_s / peak
-            lines.append(f"  est. step   {self.estimated_step_s * 1e3:.1f} ms (XLA cost model) -> MFU {mfu:.1%}")
+        lines += ["  " + line for line in self.step_time.lines()]
+        if self.optimal_seconds > 0:
+            lines.append(f"  libtpu's cost model: {self.optimal_seconds / self.steps_per_call * 1e3:.1f} ms per step")
         else:
-            lines.append(f"  est. step   none: XLA's cost model returned optimal_seconds={self.optimal_seconds:.3g}"
-                         f" for this program; at {peak / 1e12:.0f} TFLOP/s the model FLOPs alone take"
-                         f" {self.model_flops_per_step / peak * 1e3:.1f} ms")
+            lines.append(f"  libtpu's cost model: none (optimal_seconds={self.optimal_seconds:.3g} for this program)")
         lines.append("  fits in HBM" if self.fits else "  DOES NOT FIT in HBM")
         return "\n".join(lines)
 
 
-def chip_of(topology: str) -> tuple[str, dict]:
+def chip_of(topology: str) -> tuple[str, Chip]:
     chip = topology.split(":")[0]
     if chip not in CHIPS:
         raise ConfigError(f"--aot {topology}: unknown TPU generation {chip!r}; known: {sorted(CHIPS)}")
@@ -90,7 +78,7 @@ def topology_devices(topology: str):
     try:
         topo = topologies.get_topology_desc(
             platform="tpu", topology_name=topology, chip_config_name="default",
-            chips_per_host_bounds=spec["host"], num_slices=1,
+            chips_per_host_bounds=spec.host, num_slices=1,
         )
     except Exception as e:  # libtpu missing, or a name it does not know
         raise ConfigError(f"--aot {topology}: cannot describe this topology ({str(e).splitlines()[0]});"
@@ -115,16 +103,26 @@ def compile_for_topology(cfg: Config, topology: str) -> AotReport:
             # the TPU compiler refuses programs that cannot fit: report its numbers as "does not fit"
             raise ConfigError(f"--aot {topology}: does not fit in HBM: {_first_line(e)}") from None
     mem = compiled.memory_analysis()
+    # libtpu's `optimal_seconds` is a sum over the entry computation's ops (a loop body counted once) in which each
+    # `ConcatBitcast` custom call counts -1 s: the op with which memory-space assignment's *sliced prefetch* glues
+    # a buffer copied HBM->VMEM in pieces (slice-start/slice-done) back together. Our train call has 5 of them at
+    # the top level: -5 + 3.6 ms = -4.996 for gpt2_124m on v5e:2x4. A one-step SGD update of a 512x512 float32
+    # weight shows it alone: -0.99998 as compiled, +2.6e-5 s with compiler_options=
+    # {"xla_tpu_sliced_prefetch_max_slices": 0} (no ConcatBitcast). Donation only matters as far as it changes
+    # which buffers get sliced prefetches. With that flag the gpt2_124m call gets +0.038 s, but for 10 steps of
+    # 16 micro-batches of 12 layers each counted once: no step time either. Hence trainer/step_time.py.
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     tokens = t.steps_per_call * t.batch_size * t.seq_len
+    model_flops = cfg.model.flops_per_token(t.seq_len) * tokens / t.steps_per_call / len(devices)
     return AotReport(
         topology=topology, devices=len(devices),
         argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
-        temp_bytes=mem.temp_size_in_bytes, alias_bytes=mem.alias_size_in_bytes, hbm_bytes=spec["hbm"],
+        temp_bytes=mem.temp_size_in_bytes, alias_bytes=mem.alias_size_in_bytes, hbm_bytes=spec.hbm_bytes,
         flops_per_step=float(cost.get("flops", 0.0)),
-        model_flops_per_step=cfg.model.flops_per_token(t.seq_len) * tokens / t.steps_per_call / len(devices),
+        model_flops_per_step=model_flops,
         optimal_seconds=float(cost.get("optimal_seconds", -1.0)), steps_per_call=t.steps_per_call,
+        step_time=estimate(compiled, spec, mesh, steps_per_call=t.steps_per_call, model_flops_per_step=model_flops),
     )
 
 
@@ -135,7 +133,7 @@ def _first_line(e: Exception) -> str:
 
 def run_aot(cfg: Config, topology: str) -> int:
     report = compile_for_topology(cfg, topology)
-    print(report.text(chip_of(topology)[1]["peak"]))
+    print(report.text())
     if not report.fits:
         raise ConfigError(
             f"--aot {topology}: the train call needs {report.total_bytes / 2**30:.2f} GiB per device but a chip"
