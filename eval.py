@@ -21,7 +21,7 @@ import jax
 
 from configs.base import CheckpointConfig, Config, DataConfig, DistributedConfig, MeshConfig
 from configs.cli import parse
-from errors import CheckpointError, ConfigError, one_line_errors
+from errors import CheckpointError, ConfigError, StorageError, one_line_errors
 from gpt2.sharding import ShardingRules
 from trainer.checkpoint import CheckpointGone, Checkpoints, check_compatible
 from trainer.corpus import resolve_corpus, val_dataset
@@ -30,8 +30,8 @@ from trainer.library_logs import library_logs_to
 from trainer.malloc import keep_freed_memory
 from trainer.mesh import checked_mesh
 from trainer.metrics import init_wandb, resolve_wandb_mode
-from trainer.processes import initialize_distributed, is_process_0, say
-from trainer.run_dir import RunDir, eval_record, merge_eval_results, warn
+from trainer.processes import initialize_distributed, is_process_0, on_process_0, say
+from trainer.run_dir import RunDir, eval_record, merge_eval_results, storage_errors, warn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,8 @@ class EvalConfig:
         with --tasks: the longest row lm-eval's requests are cut to, default the model's context).
       dataset: corpus to evaluate on (default: the run's; required with --hf).
       prompt: sample a continuation of this text after evaluating.
-      max_new_tokens: tokens to sample (>= 1; prompt + these must fit the model's context).
+      max_new_tokens: tokens to sample (>= 1; past the model's context each is sampled from the last
+        block_size tokens, as nanoGPT does).
       temperature: sampling temperature (finite, >= 0; 0: greedy).
       top_k: sample among the k most likely tokens only (>= 1).
       seed: sampling seed (>= 0).
@@ -138,6 +139,8 @@ def evaluate_run(cfg: EvalConfig) -> int:
     run = config_from_meta(meta, ckpt.path(chosen[-1]))
     dataset = cfg.dataset or run.data.dataset
     initialize_distributed(DistributedConfig())
+    out = cfg.out or str(RunDir(cfg.run_dir) / "eval.json")
+    on_process_0(lambda: check_results_file(out), f"write the results to {out}")
     evaluator, corpus, seq_len = setup(cfg, run.model, dataclasses.replace(run.data, dataset=dataset),
                                        cfg.seq_len or run.train.seq_len)
     records, failed = [], []
@@ -159,7 +162,7 @@ def evaluate_run(cfg: EvalConfig) -> int:
                 continue
             maybe_sample(cfg, evaluator.layout.model(params))
     ckpt.close()
-    finish(records, out=cfg.out or str(RunDir(cfg.run_dir) / "eval.json"))
+    finish(records, out=out)
     log_to_wandb(cfg, run, meta, records)
     if failed:
         raise CheckpointError(f"{len(failed)} of {len(chosen)} checkpoints could not be evaluated (steps {failed});"
@@ -196,6 +199,7 @@ def evaluate_hf(cfg: EvalConfig) -> int:
     model_config = config_from_hf(read_hf_config(directory))
     seq_len = cfg.seq_len or min(1024, model_config.block_size)
     initialize_distributed(DistributedConfig())
+    on_process_0(lambda: check_results_file(cfg.out), f"write the results to {cfg.out}")
     evaluator, corpus, seq_len = setup(cfg, model_config, DataConfig(dataset=cfg.dataset), seq_len)
     layout = evaluator.layout
     with jax.set_mesh(layout.mesh):
@@ -256,8 +260,24 @@ def maybe_sample(cfg: EvalConfig, model) -> None:
 
 
 def prompt_ids(cfg: EvalConfig, block_size: int) -> list[int]:
-    return prompt_that_fits(cfg.prompt, cfg.max_new_tokens, block_size, prompt_flag="--prompt",
-                            tokens_flag="--max_new_tokens", context=f"the model's context of {block_size}")
+    return prompt_that_fits(cfg.prompt, block_size, prompt_flag="--prompt",
+                            context=f"the model's context of {block_size}")
+
+
+def check_results_file(out: str) -> None:
+    """Before any work: `out` is an eval.json that eval.py wrote (not a foreign or corrupt file) or absent, in a
+    place this process can write (a read-only run directory needs --out elsewhere)."""
+    from etils import epath
+
+    path = epath.Path(out)
+    try:
+        RunDir(path.parent).check_writable()
+    except StorageError as e:
+        raise StorageError(f"{e}; pass --out to write the results elsewhere") from None
+    with storage_errors("read", path):
+        found = path.exists()
+    if found:
+        merge_eval_results(path, [])  # reads and checks it, and writes its results back unchanged
 
 
 def finish(records: list[dict], *, out: str) -> None:

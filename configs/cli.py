@@ -62,8 +62,12 @@ def _bare_booleans(cls: type, argv: list[str]) -> list[str]:
         arg = argv[i]
         key, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
         key = key.replace("-", "_")
-        if key in booleans and not eq and i + 1 < len(argv) and argv[i + 1].lower() in TRUE | FALSE:
-            value, eq, i = argv[i + 1], "=", i + 1  # the space-separated form
+        if key in booleans and not eq and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            value, eq, i = argv[i + 1], "=", i + 1  # the space-separated form (these programs take no positionals)
+        if key in booleans and eq and value.lower() not in TRUE | FALSE:
+            section, _, name = key.rpartition(".")
+            fail(f"--{key} takes true or false (1/0, yes/no), got {value!r}; or the switches --{key} /"
+                 f" --{section + '.' if section else ''}no_{name}")
         if key in booleans and eq and value.lower() in TRUE | FALSE:
             section, _, name = key.rpartition(".")
             arg = f"--{key}" if value.lower() in TRUE else f"--{section + '.' if section else ''}no_{name}"

@@ -93,8 +93,11 @@ def _check_split(corpus: Corpus, split: str, min_tokens: int) -> None:
         raise DataError(f"{corpus.directory}: {names} hold {total:,} tokens but {META} says {expected:,}"
                         " (a truncated or altered copy?); copy the corpus again or re-run data.prepare")
     if total < min_tokens:
+        more = "a larger --val_fraction" if split == "val" else "more text"
         raise DataError(
-            f"{corpus.directory}: the {split} split has {total} tokens, fewer than one window of {min_tokens}"
+            f"{corpus.directory}: the {split} split has {total:,} tokens, fewer than one window of seq_len + 1 ="
+            f" {min_tokens:,}; lower train.seq_len (eval.py: --seq_len) below {total:,}, or prepare the corpus"
+            f" again with {more}"
         )
 
 

@@ -13,8 +13,11 @@ from errors import ConfigError  # the application's one ConfigError (errors.py i
 GPT2_VOCAB_SIZE = 50257  # r50k_base BPE ranks + <|endoftext|>
 
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
-AttentionImpl = Literal["xla", "cudnn", "auto"]
+AttentionImpl = Literal["xla", "cudnn", "splash", "auto"]
 DType = Literal["float32", "bfloat16", "float16"]
+# Compute dtypes a backend can run where it is not all of DType: XLA:CPU has no float16 dot that accumulates in
+# float32, which jax.nn.dot_product_attention asks for (it failed inside the first train call).
+COMPUTE_DTYPES = {"cpu": ("float32", "bfloat16")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +41,17 @@ class GPT2Config:
     param_dtype: DType = "float32"  # storage dtype of parameters (and so of the optimizer state)
     scan_layers: bool = True  # stack the blocks on a leading `layers` axis and lax.scan over them
     remat: RematPolicy = "none"  # what to keep from each block's forward for the backward pass
-    attention: AttentionImpl = "auto"  # jax.nn.dot_product_attention implementation ("auto" lets XLA choose)
+    # "xla" / "cudnn": jax.nn.dot_product_attention's implementations; "splash": the TPU Pallas kernel
+    # (gpt2/splash.py; interpreted, slowly, off TPU); "auto": splash on TPU, elsewhere dot_product_attention's own
+    # choice (resolved when traced, for the mesh in context: see layers.attention_implementation)
+    attention: AttentionImpl = "auto"
     # >1: queries in this many blocks, each attending only to its key prefix, so the masked upper triangle is
     # never computed (~37% less attention work at 4). For XLA:CPU, which has no fused causal attention.
     attention_query_blocks: int = 1
+    # Splash attention's tiles: query and key/value rows per block, in the forward pass and both backward kernels;
+    # multiples of 128 (the TPU lane width), shrunk to fit shorter sequences. 512 is MaxText's default (sa_block_*).
+    splash_block_q: int = 512
+    splash_block_kv: int = 512
 
     def __post_init__(self):
         for name in ("vocab_size", "pad_vocab_to", "block_size", "n_layer", "n_head", "n_embd",
@@ -59,6 +69,11 @@ class GPT2Config:
         _check_choice("param_dtype", self.param_dtype, DType)
         _check_choice("remat", self.remat, RematPolicy)
         _check_choice("attention", self.attention, AttentionImpl)
+        for name in ("splash_block_q", "splash_block_kv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 128:
+                raise ConfigError(f"model.{name} must be a positive multiple of 128 (the splash kernel tiles by the"
+                                  f" TPU's 128 lanes), got {value!r}")
 
     @property
     def head_dim(self) -> int:
@@ -152,6 +167,13 @@ def _check_choice(name: str, value, literal) -> None:
     choices = literal.__args__
     if value not in choices:
         raise ConfigError(f"model.{name} must be one of {list(choices)}, got {value!r}")
+
+
+def check_compute_dtype(config: GPT2Config, platform: str) -> None:
+    """Refuses a compute dtype the backend (`jax.default_backend()`) cannot run, naming the ones it can."""
+    supported = COMPUTE_DTYPES.get(platform, DType.__args__)
+    if config.dtype not in supported:
+        raise ConfigError(f"model.dtype={config.dtype} is not supported on {platform}; use one of {list(supported)}")
 
 
 def remat_policy(name: RematPolicy):

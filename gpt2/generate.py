@@ -30,18 +30,32 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     use_cache: bool = True,
+    slide: bool = False,
 ) -> jax.Array:  # [B, P + max_new_tokens]
-    """Samples continuations of `prompt`. Cached and uncached decoding give the same tokens."""
-    total = prompt.shape[1] + max_new_tokens
-    if total > model.config.block_size:
+    """Samples continuations of `prompt`. Cached and uncached decoding give the same tokens.
+
+    Past the model's context, `slide` samples each further token from the last block_size tokens, as nanoGPT's
+    `generate` does (one full forward pass per token: with absolute positions no cache carries over); without
+    it a prompt and max_new_tokens longer than the context are refused.
+    """
+    P, block = prompt.shape[1], model.config.block_size
+    total = P + max_new_tokens
+    if P > block or (total > block and not slide):
         raise ValueError(
-            f"prompt ({prompt.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the"
-            f" model's context of {model.config.block_size} tokens"
+            f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the"
+            f" model's context of {block} tokens"
         )
     graphdef, params = nnx.split(model)
-    fn = _generate_cached if use_cache else _generate_uncached
-    return fn(graphdef, params, jnp.asarray(prompt, jnp.int32), key, jnp.float32(temperature),
-              max_new_tokens, top_k)
+    fits = min(max_new_tokens, block - P)  # decoded within the context
+    tokens = jnp.asarray(prompt, jnp.int32)
+    if fits:
+        fn = _generate_cached if use_cache else _generate_uncached
+        tokens = fn(graphdef, params, tokens, key, jnp.float32(temperature), fits, top_k)
+    if fits < max_new_tokens:
+        rest = _generate_sliding(graphdef, params, tokens[:, -block:], jax.random.fold_in(key, 1),
+                                 jnp.float32(temperature), max_new_tokens - fits, top_k)
+        tokens = jnp.concatenate([tokens, rest], axis=1)
+    return tokens
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6))
@@ -77,3 +91,16 @@ def _generate_uncached(graphdef, params, prompt, key, temperature, max_new_token
         return tokens.at[:, P + i].set(nxt)
 
     return jax.lax.fori_loop(0, max_new_tokens, step, tokens)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6))
+def _generate_sliding(graphdef, params, window, key, temperature, new_tokens, top_k):
+    """`new_tokens` tokens [B, N] after `window` [B, block_size], each from the last block_size tokens."""
+    model = nnx.merge(graphdef, params)
+
+    def step(window, key):
+        nxt = sample_logits(model(window)[:, -1], key, temperature, top_k)  # [B]
+        return jnp.concatenate([window[:, 1:], nxt[:, None]], axis=1), nxt
+
+    _, out = jax.lax.scan(step, window, jax.random.split(key, new_tokens))  # out: [N, B]
+    return out.T

@@ -1,9 +1,11 @@
 """The real train.py and eval.py: end-to-end runs in subprocesses (slow tier), and every check that ends a
 run before any JAX work called in-process (`run_main`), with the flag names of the program the user ran."""
 
+import contextlib
 import json
 import os
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -278,12 +280,33 @@ def train_error(tmp_path, shakespeare, *args):
         (["--model.dropout=nan"], "model.dropout must be in [0, 1)"),
         (["--train.eval_every=-1"], "train.eval_every must be an integer >= 0, got -1"),
         (["--train.peak_flops=0"], "train.peak_flops must be a finite number > 0"),
-        (["--train.sample_tokens=60", "--train.sample_prompt=" + " ".join(["word"] * 10)],
-         "train.sample_prompt encodes to 10 tokens; with train.sample_tokens=60 that exceeds model.block_size=64"),
+        (["--train.sample_tokens=8", "--train.sample_prompt=" + " ".join(["word"] * 70)],
+         "train.sample_prompt encodes to 70 tokens, more than model.block_size=64; shorten it"),
+        (["--model.dtype=float16"], "model.dtype=float16 is not supported on cpu; use one of ['float32', 'bfloat16']"),
+        (["--log.progress=maybe"], "--log.progress takes true or false (1/0, yes/no), got 'maybe'"),
+        (["--train.reschedule", "perhaps"], "--train.reschedule takes true or false (1/0, yes/no), got 'perhaps'"),
     ],
 )
 def test_train_config_errors_are_one_line_before_any_work(tmp_path, shakespeare, args, message):
     assert message in train_error(tmp_path, shakespeare, *args)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_validation_split_shorter_than_the_window_is_refused_naming_the_flags(tmp_path, shakespeare, capsys):
+    """nanoGPT's workflow: one input.txt prepared at the default --val_fraction (a warning then, not a refusal);
+    training refuses a window the split cannot fill, and trains with one it can."""
+    from data.prepare import main as prepare_main
+
+    text = tmp_path / "input.txt"
+    text.write_text("ROMEO: But, soft! what light through yonder window breaks?\n" * 400)
+    prepare_main(["--source", str(text), "--out_dir", str(tmp_path / "tiny"), "--val_fraction", "0.007"])
+    assert "warning: " in capsys.readouterr().err
+    val_tokens = json.loads((tmp_path / "tiny" / "meta.json").read_text())["val_tokens"]
+    assert 33 < val_tokens < 64
+    message = train_error(tmp_path, shakespeare, f"--data.dataset={tmp_path / 'tiny'}", "--train.seq_len=64")
+    assert message == (f"error: {tmp_path / 'tiny'}: the val split has {val_tokens} tokens, fewer than one window of"
+                       f" seq_len + 1 = 65; lower train.seq_len (eval.py: --seq_len) below {val_tokens}, or prepare the"
+                       " corpus again with a larger --val_fraction")
 
 
 def _corpus_copy(shakespeare, tmp_path, damage):
@@ -385,6 +408,81 @@ def eval_error(*args):
 )
 def test_eval_arguments_are_checked_before_any_work(tmp_path, args, message):
     assert message in eval_error("--run_dir", str(tmp_path), *args)
+
+
+def test_a_bad_boolean_value_names_its_flag_in_every_program():
+    from data import prepare
+
+    assert eval_error("--all=maybe") == ("error: --all takes true or false (1/0, yes/no), got 'maybe'; or the switches"
+                                         " --all / --no_all")
+    code, _, err = run_main(prepare.main, "--source", "x", "--out_dir", "y", "--overwrite=perhaps")
+    assert code == 2 and err.strip() == ("error: --overwrite takes true or false (1/0, yes/no), got 'perhaps'; or the"
+                                         " switches --overwrite / --no_overwrite")
+
+
+@pytest.fixture
+def k4_copy(k4_run, tmp_path):
+    """A copy of the k4 run to damage."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(k4_run[0], run_dir)
+    return run_dir
+
+
+def eval_lines(*args):
+    code, out, err = run_main(eval_app.main, "--batches", "1", "--no-wandb", *args)
+    return code, out, err.strip().splitlines()
+
+
+@pytest.mark.slow
+def test_eval_of_a_damaged_latest_checkpoint_is_one_line_and_all_goes_past_it(k4_copy):
+    for f in (k4_copy / "checkpoints" / "12" / "state").rglob("*"):
+        if f.is_file() and "/d/" in str(f):
+            f.unlink()
+    code, _, err = eval_lines("--run_dir", str(k4_copy))
+    assert code == 2 and len(err) == 1, err[:20]  # not Orbax's closed event loop, once per pending read
+    assert err[0].startswith(f"error: {k4_copy / 'checkpoints' / '12'}: cannot be restored (NOT_FOUND")
+    assert err[0].endswith("checkpoints in this run: [4, 8, 12]")
+    code, out, err = eval_lines("--run_dir", str(k4_copy), "--all")
+    assert code == 2 and len(err) == 2 and err[0].startswith("warning: "), err[:20]
+    assert err[1] == "error: 1 of 3 checkpoints could not be evaluated (steps [12]); the others' results are saved"
+    assert sorted(r["step"] for r in json.loads((k4_copy / "eval.json").read_text())["results"]) == [4, 8]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("content", ['{"12": {"val_loss": 5.0}}', '{"resu'])
+def test_a_foreign_or_corrupt_eval_json_is_refused_before_the_evaluation(k4_copy, content):
+    (k4_copy / "eval.json").write_text(content)
+    code, out, err = eval_lines("--run_dir", str(k4_copy))
+    assert code == 2 and out == "" and err == [f"error: {k4_copy / 'eval.json'}: not an eval.json written by eval.py;"
+                                               " move it away or pass another --out"]
+    assert (k4_copy / "eval.json").read_text() == content
+
+
+@contextlib.contextmanager
+def read_only(path):
+    """A read-only bind mount over `path` (root ignores file modes, so a chmod would prove nothing)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only directory needs root")
+    subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.mark.slow
+def test_eval_of_a_read_only_run_dir_asks_for_out_first_then_evaluates(k4_copy, tmp_path):
+    """A mounted bucket, say: eval.json cannot go there (said before any work), the library logs go elsewhere."""
+    with read_only(k4_copy):
+        code, out, err = eval_lines("--run_dir", str(k4_copy))
+        assert code == 2 and out == "" and err == [f"error: cannot write to {k4_copy}: Read-only file system; pass"
+                                                   " --out to write the results elsewhere"]
+        code, out, err = eval_lines("--run_dir", str(k4_copy), "--out", str(tmp_path / "results.json"))
+    assert code == 0, err
+    assert "step 12: val_loss" in out and (tmp_path / "results.json").exists()
+    assert len(err) == 1 and err[0].startswith(f"warning: cannot write library logs to {k4_copy / 'logs'}/process_0"
+                                               ".log (Read-only file system); they are in ")
 
 
 def test_eval_needs_a_run_or_weights_and_says_which_is_missing(tmp_path):

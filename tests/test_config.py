@@ -48,6 +48,16 @@ def test_bad_model_values_name_the_field(kwargs, field):
         GPT2Config.gpt2(**kwargs)
 
 
+def test_a_compute_dtype_the_backend_cannot_run_is_refused_naming_the_ones_it_can():
+    from gpt2.config import check_compute_dtype
+
+    with pytest.raises(ConfigError, match=r"model.dtype=float16 is not supported on cpu; use one of \['float32',"
+                                          r" 'bfloat16'\]"):
+        check_compute_dtype(GPT2Config(dtype="float16"), "cpu")
+    check_compute_dtype(GPT2Config(dtype="bfloat16"), "cpu")
+    check_compute_dtype(GPT2Config(dtype="float16"), "gpu")
+
+
 def test_unknown_presets_list_the_choices():
     with pytest.raises(ConfigError, match="gpt2-xl"):
         GPT2Config.preset("gpt3")

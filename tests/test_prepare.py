@@ -33,6 +33,11 @@ def _write(path, rows):
     return str(path)
 
 
+def _write_bytes(path, data):
+    path.write_bytes(data)
+    return str(path)
+
+
 def _tokens(directory, split):
     meta = json.loads((directory / "meta.json").read_text())
     return np.concatenate([np.fromfile(directory / f, dtype="<u2") for f in meta[f"{split}_files"]])
@@ -379,7 +384,9 @@ def test_refuses_files_it_did_not_write(corpus, tmp_path, capsys, foreign):
         (lambda p: _write(p / "d.jsonl", [{"text": ""}, {"text": ""}]), [], "has no text"),
         (lambda p: _write(p / "d.jsonl", []), [], "has no text"),
         (lambda p: _write(p / "d.jsonl", [{"text": t} for t in _docs(4)]), ["--val_fraction", 0.01],
-         "the val split would have 0 tokens, fewer than 1,025 .* raise --val_fraction"),
+         r"the val split would have 0 tokens, not one window; raise --val_fraction \(about 0.\d+ gives 1,025"),
+        (lambda p: _write_bytes(p / "d.jsonl", b'{"text": "bad \xff byte"}\n'), [],
+         "d.jsonl: invalid UTF-8 at byte 14"),
         (lambda p: _write(p / "d.jsonl", [{"text": "x"}]), ["--val_fraction", "nan"], "--val_fraction must be in"),
         (lambda p: _write(p / "d.jsonl", [{"text": "x"}]), ["--val_fraction", "inf"], "--val_fraction must be in"),
         (lambda p: _write(p / "d.jsonl", [{"text": "x"}]), ["--val_fraction", 1], "--val_fraction must be in"),
@@ -398,7 +405,35 @@ def test_errors_are_one_line_naming_the_path_or_flag(tmp_path, capsys, make_sour
     line = _error(capsys, "--source", make_source(tmp_path), "--out_dir", tmp_path / "out", "--val_fraction", 0.5,
                   *flags)
     assert re.search(message, line), line
-    assert not (tmp_path / "out" / "meta.json").exists()
+    assert not (tmp_path / "out").exists()  # nothing created when refused
+
+
+def test_a_refused_source_leaves_out_dir_as_it_was(tmp_path, capsys):
+    """Its missing parents are removed too; an existing out_dir keeps what it held, and only that."""
+    bad = _write(tmp_path / "d.jsonl", [{"text": "x"}, {"body": "y"}])
+    _error(capsys, "--source", bad, "--out_dir", tmp_path / "new" / "corpus")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    _error(capsys, "--source", bad, "--out_dir", tmp_path / "mine")
+    assert _files(tmp_path / "mine") == {"notes.txt": b"keep"}
+
+
+def test_a_short_split_is_a_warning_and_one_without_a_window_a_refusal(tmp_path, capsys):
+    """nanoGPT's input.txt at the default --val_fraction: training may use windows much shorter than GPT-2's."""
+    (tmp_path / "input.txt").write_text("ROMEO: But, soft! what light through yonder window breaks?\n" * 4000)
+    capsys.readouterr()
+    _cli("--source", tmp_path / "input.txt", "--out_dir", tmp_path / "o")
+    n_val = json.loads((tmp_path / "o" / "meta.json").read_text())["val_tokens"]
+    assert n_val == int((_tokens(tmp_path / "o", "train").size + n_val) * 0.0005) < 1025
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: {tmp_path / 'o'}: the val split has {n_val} tokens: windows of up to train.seq_len={n_val - 1}"
+        " (GPT-2's is 1024); for longer ones raise --val_fraction (about 0.018 gives 1,025 tokens)"]
+    (tmp_path / "short.txt").write_text("ROMEO: But, soft!\n" * 10)
+    assert _error(capsys, "--source", tmp_path / "short.txt", "--out_dir", tmp_path / "p") == (
+        f"error: {tmp_path / 'short.txt'}: the val split would have 1 tokens, not one window; raise --val_fraction"
+        " or add text (81 tokens in all)")
+    assert not (tmp_path / "p").exists()
 
 
 def test_a_bucket_out_dir_is_refused_in_one_line(tmp_path, capsys):
@@ -413,6 +448,7 @@ def test_undecodable_text_names_the_byte_or_is_replaced(tmp_path, capsys):
     args = ["--source", tmp_path / "d.jsonl", "--out_dir", tmp_path / "o", "--val_fraction", 0.3]
     assert _error(capsys, *args) == (f"error: {tmp_path / 'd.jsonl'}: invalid UTF-8 at byte {len(good) + 14}"
                                      " (pass --errors replace to accept it)")
+    assert not (tmp_path / "o").exists()
     _cli(*args, "--errors", "replace")
     assert "bad \ufffd byte<|endoftext|>" in _decode_all(tmp_path / "o", "train") + _decode_all(tmp_path / "o", "val")
 

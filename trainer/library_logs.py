@@ -1,10 +1,12 @@
-"""Library log records (absl / Python logging from Orbax, Grain, JAX, gcsfs) go to the run directory's
-`logs/process_<i>.log`, not the console."""
+"""Library log records (absl / Python logging from Orbax, Grain, JAX, gcsfs) and exceptions raised where nothing
+can catch them go to the run directory's `logs/process_<i>.log`, not the console."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -18,32 +20,37 @@ from trainer.run_dir import append, is_remote, oserror_reason, warn
 def library_logs_to(directory) -> Iterator[None]:
     """Sends library log records (absl / Python logging: Orbax, Grain, JAX, gcsfs) to
     <directory>/process_<i>.log instead of the console, where a failing background write would print hundreds
-    of lines before the one line that says what happened. A log that cannot be written (full disk) is dropped
-    silently. On cloud storage the records go to a local temporary file that is appended to the log object
-    at exit (a process killed with -9 leaves it in the temporary directory instead)."""
-    import logging
-
+    of lines before the one line that says what happened; so do unraisable exceptions (tensorstore's callbacks
+    that find Orbax's event loop closed after a failed restore print a traceback each). A log that cannot be
+    created there (a read-only run directory, e.g. a mounted bucket that eval.py reads) goes to the temporary
+    directory instead, said at exit; one that cannot be written (full disk) is dropped silently. On cloud storage
+    the records go to a local temporary file that is appended to the log object at exit (a process killed
+    with -9 leaves it in the temporary directory instead)."""
     from absl import logging as absl_logging
 
     name = f"process_{jax.process_index()}.log"
     local, failing = None, False
-    try:
-        if is_remote(directory):
-            local = os.path.join(tempfile.gettempdir(), f"gpt2-nnx-{os.getpid()}-{name}")  # made at the first record
-            handler = logging.FileHandler(local, delay=True)
-        else:
+    elsewhere = os.path.join(tempfile.gettempdir(), f"gpt2-nnx-{os.getpid()}-{name}")  # made at the first record
+    if is_remote(directory):
+        local = elsewhere
+        handler = logging.FileHandler(local, delay=True)
+    else:
+        try:
             directory.mkdir(exist_ok=True)  # inside an existing run directory only
-            handler = logging.FileHandler(str(directory / name), delay=True)
-    except OSError:
-        handler = logging.NullHandler()
+            handler = _LogFile(str(directory / name), elsewhere)
+        except FileNotFoundError:  # no run directory (the program is about to say so)
+            handler = logging.NullHandler()
+        except OSError:
+            handler = _LogFile(str(directory / name), elsewhere)  # refused at the first record
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root, absl_handler = logging.getLogger(), absl_logging.get_absl_handler()
-    saved = (list(root.handlers), absl_handler.level, logging.raiseExceptions)
+    saved = (list(root.handlers), absl_handler.level, logging.raiseExceptions, sys.unraisablehook)
     for h in saved[0]:
         root.removeHandler(h)
     root.addHandler(handler)
     absl_handler.setLevel(logging.CRITICAL + 1)  # absl's own stderr handler
     logging.raiseExceptions = False  # a full disk must not print "--- Logging error ---" blocks
+    sys.unraisablehook = _unraisable_to_log
     try:
         yield
     except BaseException:
@@ -57,12 +64,41 @@ def library_logs_to(directory) -> Iterator[None]:
             root.addHandler(h)
         absl_handler.setLevel(saved[1])
         logging.raiseExceptions = saved[2]
+        sys.unraisablehook = saved[3]
     finally:
         root.removeHandler(handler)
         with contextlib.suppress(OSError):
             handler.close()
         if local is not None:
             _upload_log(local, directory / name, quiet=failing)
+        if getattr(handler, "moved", None) and not failing:  # failing: the error is the one line to print
+            warn(f"{handler.moved} {handler.elsewhere}")
+
+
+class _LogFile(logging.FileHandler):
+    """A log file opened at its first record, or where that fails, `elsewhere` (`moved` says why)."""
+
+    def __init__(self, path: str, elsewhere: str):
+        super().__init__(path, delay=True)
+        self.elsewhere = elsewhere
+        self.moved: str | None = None
+
+    def _open(self):
+        try:
+            return super()._open()
+        except OSError as e:
+            if self.baseFilename == self.elsewhere:
+                return open(os.devnull, "a")  # nowhere to write: dropped
+            self.moved = f"cannot write library logs to {self.baseFilename} ({oserror_reason(e)}); they are in"
+            self.baseFilename = self.elsewhere
+            return self._open()
+
+
+def _unraisable_to_log(unraisable) -> None:
+    """An exception raised where nothing can catch it (a library's callback on another thread): logged."""
+    info = (unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback)
+    where = "" if unraisable.object is None else f" in {unraisable.object!r}"
+    logging.getLogger("unraisable").warning("%s%s", unraisable.err_msg or "Exception ignored", where, exc_info=info)
 
 
 def _upload_log(local: str, target, *, quiet: bool) -> None:

@@ -1,4 +1,5 @@
-"""The optimizer: Optax AdamW, warmup + cosine schedule, global-norm clipping, decay on matrices only."""
+"""The optimizer: global-norm clipping, then AdamW (decay on matrices and embeddings only) on every parameter,
+or Muon on the hidden matrices and AdamW on the rest; warmup + cosine schedules."""
 
 from __future__ import annotations
 
@@ -8,14 +9,35 @@ from flax import nnx
 
 from configs.base import OptimConfig
 
+# Muon's matrices, by parameter path, and how each one's axes read as a matrix (counted from the end, so a
+# scanned [L, ...] weight is the same matrix with its layer axis as a batch axis: one orthogonalization per
+# layer). c_attn is [D, 3, H, K]: q, k and v are three [D, H·K] matrices (the qkv axis is a batch axis too).
+MUON_MATRICES = {
+    ("attn", "c_attn", "kernel"): optax.contrib.MuonDimensionNumbers(reduction_axis=-4, output_axis=(-2, -1)),
+    ("attn", "c_proj", "kernel"): optax.contrib.MuonDimensionNumbers(reduction_axis=(-3, -2), output_axis=-1),
+    ("mlp", "c_fc", "kernel"): optax.contrib.MuonDimensionNumbers(reduction_axis=-2, output_axis=-1),
+    ("mlp", "c_proj", "kernel"): optax.contrib.MuonDimensionNumbers(reduction_axis=-2, output_axis=-1),
+}
 
-def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup from 0 to `lr`, then cosine decay to `lr · min_lr_ratio` (nanoGPT's schedule)."""
+
+def lr_schedule(cfg: OptimConfig, total_steps: int, peak: float | None = None) -> optax.Schedule:
+    """Linear warmup from 0 to `peak` (default `lr`), then cosine decay to `peak · min_lr_ratio` (nanoGPT's
+    schedule)."""
+    peak = cfg.lr if peak is None else peak
     decay_steps = max(cfg.decay_steps or total_steps, cfg.warmup_steps + 1)
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
-        decay_steps=decay_steps, end_value=cfg.lr * cfg.min_lr_ratio,
+        init_value=0.0, peak_value=peak, warmup_steps=cfg.warmup_steps,
+        decay_steps=decay_steps, end_value=peak * cfg.min_lr_ratio,
     )
+
+
+def _by_path(params: nnx.State, leaf) -> nnx.State:
+    """A tree like `params` with `leaf(path of names, variable)` in each variable."""
+
+    def at(path, v: nnx.Variable) -> nnx.Variable:
+        return v.replace(leaf(tuple(getattr(p, "key", p) for p in path), v))
+
+    return jax.tree_util.tree_map_with_path(at, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def decay_mask(params: nnx.State) -> nnx.State:
@@ -24,18 +46,46 @@ def decay_mask(params: nnx.State) -> nnx.State:
     Decided by name, not `ndim`: with scan_layers a LayerNorm scale is [L, D], and the fused QKV bias is
     stored as [3, H, K], yet both are vectors in GPT-2's terms.
     """
+    return _by_path(params, lambda path, v: path[-1] in ("kernel", "embedding"))
 
-    def decays(path, v: nnx.Variable) -> nnx.Variable:
-        return v.replace(path[-1].key in ("kernel", "embedding"))
 
-    return jax.tree_util.tree_map_with_path(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+def muon_dimensions(path: tuple) -> optax.contrib.MuonDimensionNumbers | None:
+    """How the parameter at `path` reads as a matrix for Muon; None for the parameters AdamW keeps."""
+    return MUON_MATRICES.get(tuple(path[-3:]))
+
+
+def optimizer_of(params: nnx.State) -> nnx.State:
+    """"muon" or "adamw" for each parameter (with optim.name=muon)."""
+    return _by_path(params, lambda path, v: "muon" if muon_dimensions(path) else "adamw")
+
+
+def adamw(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    return optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                       weight_decay=cfg.weight_decay, mask=decay_mask)
+
+
+def muon(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """optax's Muon, given only the hidden matrices (its own AdamW fallback then holds nothing)."""
+    return optax.contrib.muon(
+        lr_schedule(cfg, total_steps, peak=cfg.muon_lr), ns_coeffs=cfg.muon_ns_coeffs, ns_steps=cfg.muon_ns_steps,
+        beta=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay, nesterov=True,
+        muon_weight_dimension_numbers=lambda params: _by_path(params, lambda path, v: muon_dimensions(path)),
+    )
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
-        optax.adamw(
-            lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-            weight_decay=cfg.weight_decay, mask=decay_mask,
-        ),
-    )
+    update = adamw(cfg, total_steps)
+    if cfg.name == "muon":
+        update = optax.partition({"muon": muon(cfg, total_steps), "adamw": update}, optimizer_of)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(), update)
+
+
+def parameters_per_optimizer(cfg: OptimConfig, params: nnx.State) -> dict[str, int]:
+    """How many parameters each optimizer updates (for the start-up summary)."""
+    if cfg.name != "muon":
+        return {"adamw": sum(x.size for x in jax.tree.leaves(params))}
+    labels = jax.tree.leaves(optimizer_of(params))
+    counts = {"muon": 0, "adamw": 0}
+    for label, x in zip(labels, jax.tree.leaves(params)):
+        counts[label] += x.size
+    return counts

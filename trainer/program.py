@@ -46,9 +46,12 @@ class TrainProgram:
         tx = make_optimizer(config.optim, config.train.steps)
         params, param_shardings = layout.abstract_params, layout.param_shardings
         replicated = NamedSharding(mesh, PartitionSpec())
+        # every copy of the parameter tree in the optimizer state (moments, momenta) is laid out as the
+        # parameters; the masked-out leaves of a partitioned optimizer (Muon + AdamW) stay masked
+        masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
         opt_shardings = optax.tree_map_params(
-            tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings,
-            transform_non_params=lambda _: replicated,
+            tx, lambda leaf, s: leaf if masked(leaf) else s, jax.eval_shape(tx.init, params), param_shardings,
+            transform_non_params=lambda _: replicated, is_leaf=masked,
         )
         shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated,
                      "rng": replicated}

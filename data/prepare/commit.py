@@ -48,6 +48,27 @@ def finished(out: Path, cfg: PrepareConfig) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def undone_if_refused(out: Path, cfg: PrepareConfig) -> Iterator[None]:
+    """A run refused for its source (a DataError: no text, a row without the text field, a null text,
+    undecodable bytes) leaves nothing it created: out_dir and its missing parents when they did not exist,
+    else the work area when there was none. A killed or failing run (OSError: a full disk) keeps its work area
+    to resume; so does a worker of several, whose work area the others share."""
+    created = out
+    while not created.parent.exists():
+        created = created.parent
+    if out.exists():
+        created = out / STATE if not (out / STATE).exists() else None
+    try:
+        yield
+    except WorkerRunning:
+        raise  # what is there is the running worker's
+    except DataError:
+        if created is not None and cfg.num_workers == 1:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
 def claim(out: Path, cfg: PrepareConfig, units: list[Unit]) -> Path:
     """The work area for these settings: a partial run's with the same settings, or a new one. Returns it."""
     state, settings = out / STATE, _settings(cfg, units)
@@ -123,8 +144,12 @@ def worker_lock(state: Path, cfg: PrepareConfig) -> Iterator[None]:
     """This worker's lock for the `with` block; raises when the same worker already runs."""
     with lock(state / f"worker-{cfg.worker_index}-of-{cfg.num_workers}.lock") as held:
         if not held:
-            raise DataError(f"{state.parent}: worker {cfg.worker_index} of {cfg.num_workers} is already running")
+            raise WorkerRunning(f"{state.parent}: worker {cfg.worker_index} of {cfg.num_workers} is already running")
         yield
+
+
+class WorkerRunning(DataError):
+    """The same worker is already running on this out_dir."""
 
 
 def remove_stale(state: Path, pattern: str) -> None:

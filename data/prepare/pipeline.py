@@ -4,6 +4,7 @@ and `prepare_shakespeare`, the embedded default corpus. The only module of data.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from data.format import META
@@ -23,19 +24,22 @@ def prepare(cfg: PrepareConfig, *, quiet: bool = False) -> Path:
         _say(quiet, out, "already prepared (pass --overwrite to redo)")
         return out
     units = sources.plan(cfg)
-    state = commit.claim(out, cfg, units)
-    with commit.worker_lock(state, cfg):
-        commit.remove_stale(state, "*" + commit.temporary_suffix(cfg))
-        for unit in commit.todo(state, units, cfg):
-            _say(quiet, out, f"unit {unit.index + 1}/{len(units)} ({unit.describe()})")
-            docs = sources.read(unit, cfg, commit.documents_left(state, units, unit, cfg.max_documents))
-            batches = tokens.tokenize(tokens.assign(docs, unit, cfg), cfg.num_threads)
-            commit.write_unit(state, unit, batches, cfg)
-    counts = shards.finalize(out, state, cfg, units)
+    with commit.undone_if_refused(out, cfg):
+        state = commit.claim(out, cfg, units)
+        with commit.worker_lock(state, cfg):
+            commit.remove_stale(state, "*" + commit.temporary_suffix(cfg))
+            for unit in commit.todo(state, units, cfg):
+                _say(quiet, out, f"unit {unit.index + 1}/{len(units)} ({unit.describe()})")
+                docs = sources.read(unit, cfg, commit.documents_left(state, units, unit, cfg.max_documents))
+                batches = tokens.tokenize(tokens.assign(docs, unit, cfg), cfg.num_threads)
+                commit.write_unit(state, unit, batches, cfg)
+        counts = shards.finalize(out, state, cfg, units)
     if counts is None:
         _say(quiet, out, f"worker {cfg.worker_index} done; the last worker to finish writes {META}")
     else:
         _say(quiet, out, f"{counts['train']:,} train tokens, {counts['val']:,} val tokens")
+        for warning in ([] if quiet else shards.short_splits(counts)):
+            print(f"warning: {out}: {warning}", file=sys.stderr, flush=True)
     return out
 
 

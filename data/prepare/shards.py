@@ -20,7 +20,7 @@ from data.prepare.config import PrepareConfig
 from data.prepare.sources import Unit
 from data.tokenizer import VOCAB_SIZE
 
-MIN_SPLIT_TOKENS = 1025  # one GPT-2 window of 1024 tokens + its shifted target
+GPT2_WINDOW_TOKENS = 1025  # one GPT-2 window of 1024 tokens + its shifted target: below it, a warning
 
 Range = tuple[Path, int, int]  # (part file, first token, tokens)
 
@@ -66,16 +66,33 @@ def split_ranges(state: Path, units: list[Unit], records: list[dict], cfg: Prepa
 
 
 def check_counts(cfg: PrepareConfig, counts: dict[str, int]) -> None:
-    """Refuses a split too small to train or validate on."""
+    """Refuses a split that holds not even one window (2 tokens: one input and its target). A split shorter
+    than a GPT-2 window is only warned about (`short_splits`): training refuses a window it cannot fill,
+    naming its train.seq_len, and shorter windows are common (the shakespeare_cpu preset trains on 128)."""
     if counts["train"] + counts["val"] == 0:
         raise DataError(f"{cfg.source}: has no text in field {cfg.text_field!r}")
     for split in SPLITS:
-        if counts[split] < MIN_SPLIT_TOKENS:
-            hint = "raise --val_fraction" if split == "val" else "lower --val_fraction or add text"
-            raise DataError(
-                f"{cfg.source}: the {split} split would have {counts[split]:,} tokens, fewer than"
-                f" {MIN_SPLIT_TOKENS:,} (one GPT-2 window of 1024 + 1); {hint}"
-            )
+        if counts[split] < 2:
+            raise DataError(f"{cfg.source}: the {split} split would have {counts[split]:,} tokens, not one window;"
+                            f" {_more(split, counts)}")
+
+
+def short_splits(counts: dict[str, int]) -> list[str]:
+    """A warning for each split shorter than one GPT-2 window of 1024 tokens."""
+    return [f"the {split} split has {counts[split]:,} tokens: windows of up to train.seq_len={counts[split] - 1:,}"
+            f" (GPT-2's is 1024); for longer ones {_more(split, counts)}"
+            for split in SPLITS if counts[split] < GPT2_WINDOW_TOKENS]
+
+
+def _more(split: str, counts: dict[str, int]) -> str:
+    """How to give `split` more tokens."""
+    if split == "train":
+        return "add text or lower --val_fraction"
+    total = counts["train"] + counts["val"]
+    fraction = 1.1 * GPT2_WINDOW_TOKENS / max(1, total)
+    if fraction > 0.5:
+        return f"raise --val_fraction or add text ({total:,} tokens in all)"
+    return f"raise --val_fraction (about {fraction:.2g} gives {GPT2_WINDOW_TOKENS:,} tokens)"
 
 
 def write_shards(directory: Path, split: str, ranges: list[Range], total: int, shard_tokens: int) -> list[str]:
