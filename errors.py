@@ -43,9 +43,11 @@ class TrainingError(UserError, RuntimeError):
 
 
 def first_line(e: BaseException, limit: int = 300) -> str:
-    """An exception as a one-line reason: its message's first line, or its type's name when it has none."""
+    """An exception as a one-line reason: its message's first line, or its type's name when it has none. A line
+    longer than `limit` keeps its start and its end (where libraries put the reason after a long path)."""
     text = str(e).strip()
-    return text.splitlines()[0][:limit] if text else type(e).__name__
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line if len(line) <= limit else f"{line[: limit // 2]} ... {line[-(limit // 2):]}"
 
 
 def fail(message: str):

@@ -24,6 +24,7 @@ from configs.cli import parse
 from errors import CheckpointError, ConfigError, StorageError, one_line_errors
 from gpt2.sharding import ShardingRules
 from trainer.checkpoint import CheckpointGone, Checkpoints, check_compatible
+from trainer.compile_cache import use_compile_cache
 from trainer.corpus import resolve_corpus, val_dataset
 from trainer.evaluation import Evaluator, prompt_that_fits, sample
 from trainer.library_logs import library_logs_to
@@ -139,6 +140,7 @@ def evaluate_run(cfg: EvalConfig) -> int:
     run = config_from_meta(meta, ckpt.path(chosen[-1]))
     dataset = cfg.dataset or run.data.dataset
     initialize_distributed(DistributedConfig())
+    use_compile_cache(run.train.compile_cache, RunDir(cfg.run_dir), run.train.compile_cache_gb)
     out = cfg.out or str(RunDir(cfg.run_dir) / "eval.json")
     on_process_0(lambda: check_results_file(out), f"write the results to {out}")
     evaluator, corpus, seq_len = setup(cfg, run.model, dataclasses.replace(run.data, dataset=dataset),

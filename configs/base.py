@@ -37,10 +37,14 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with linear warmup, cosine decay to a floor, and global-norm clipping.
+    """AdamW (or Muon on the hidden matrices) with linear warmup, cosine decay to a floor, and global-norm
+    clipping.
 
     Attributes:
-      lr: peak learning rate (finite, > 0).
+      name: "adamw" for every parameter, or "muon": Muon (optax.contrib's Newton–Schulz orthogonalized momentum;
+        Jordan et al., modded-nanogpt) on the attention and MLP matrices of every layer, AdamW (the fields below)
+        on the embeddings and tied head, norms and biases.
+      lr: peak learning rate (finite, > 0); with name=muon, the AdamW part's.
       min_lr_ratio: the cosine floor as a fraction of `lr`, in [0, 1] (Chinchilla / nanoGPT use 0.1).
       warmup_steps: linear warmup from 0 (>= 0 steps).
       decay_steps: end of the cosine (>= 1; default: `train.steps`).
@@ -61,6 +65,12 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    name: Literal["adamw", "muon"] = "adamw"
+    muon_lr: float = 0.02  # peak rate of the Muon part (its own warmup and cosine, same shape as lr's)
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum (modded-nanogpt: 0.95)
+    muon_weight_decay: float = 0.0  # decoupled, multiplied by muon_lr as in optax
+    muon_ns_steps: int = 5  # Newton–Schulz iterations (modded-nanogpt: 5)
+    muon_ns_coeffs: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)  # its quintic's (a, b, c)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +106,9 @@ class TrainConfig:
       eval_every: evaluate the validation loss every this many steps (>= 0; 0: only at the last step, where
         an evaluation always runs).
       eval_batches: validation batches per evaluation (>= 1).
-      sample_prompt: text sampled from at the end of training (prompt + sample_tokens must fit
-        model.block_size).
-      sample_tokens: tokens generated for that sample (>= 0; 0: no sample).
+      sample_prompt: text sampled from at the end of training (it must fit model.block_size).
+      sample_tokens: tokens generated for that sample (>= 0; 0: no sample); past model.block_size each is
+        sampled from the last block_size tokens, as nanoGPT does.
       peak_flops: per-device peak FLOP/s for MFU (finite, > 0; default: looked up from the device kind).
       stop_after: end this invocation (with a checkpoint) at this step (>= 1), without changing the
         schedule; a later start resumes towards `steps` (time-boxed jobs).
@@ -108,6 +118,16 @@ class TrainConfig:
       reschedule: allow a resumed run to change the learning-rate schedule (train.steps without a fixed
         optim.decay_steps, optim.lr, min_lr_ratio, warmup_steps, decay_steps): the rate then jumps to the
         new schedule's value at the resumed step. Without it such a resume is refused.
+      compile_cache: JAX's persistent compilation cache, so that a restart loads its programs instead of
+        compiling them again: "auto" (`<run_dir>/compile_cache`, local or gs://, shared by every process of the
+        job and safe to share between jobs), a directory, or "off". A JAX_COMPILATION_CACHE_DIR set in the
+        environment takes precedence over "auto".
+      compile_cache_gb: the cache's size bound (> 0); the least recently used programs are evicted past it.
+      eval_tasks: lm-evaluation-harness tasks (comma-separated) run at every evaluation, with the validation
+        loss (None: none); needs the `eval` extra. Every task is loaded at start-up, so a task that cannot be
+        (a hub dataset with no network) stops the run before training.
+      eval_limit: documents per task at each evaluation (>= 1; None: all).
+      include_path: a directory of lm-eval task YAMLs (local tasks need no network).
     """
 
     steps: int = 1000
@@ -124,6 +144,11 @@ class TrainConfig:
     stop_after: int | None = None
     async_calls: bool = True
     reschedule: bool = False
+    compile_cache: str = "auto"
+    compile_cache_gb: float = 4.0
+    eval_tasks: str | None = None
+    eval_limit: int | None = None
+    include_path: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +221,25 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class StorageConfig:
+    """Cloud storage (a gs:// run directory), which may falter for minutes on a pod.
+
+    Attributes:
+      retry_seconds: how long a request (a checkpoint save, a metrics append, the lock's refresh) retries a
+        transient failure (HTTP 429/5xx, a refused or reset connection) with backoff before the run stops in
+        one line (> 0). The newest finished checkpoint stays the newest.
+      metrics_every: seconds between appends of buffered metrics.jsonl records to their object (> 0; each
+        checkpoint save appends first).
+      lock_refresh_seconds: seconds between refreshes of the run directory's lock object (> 0); a lock not
+        refreshed for 10 periods plus retry_seconds is taken over as a dead trainer's.
+    """
+
+    retry_seconds: float = 600.0
+    metrics_every: float = 30.0
+    lock_refresh_seconds: float = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
 class GuardConfig:
     """Numerical safety beyond the check that always runs (a non-finite train state is never saved).
 
@@ -259,6 +303,7 @@ class Config:
     guard: GuardConfig = GuardConfig()
     log: LogConfig = LogConfig()
     distributed: DistributedConfig = DistributedConfig()
+    storage: StorageConfig = StorageConfig()
 
     def __post_init__(self):
         validate(self)
@@ -277,6 +322,7 @@ def validate(c: Config) -> None:
         "distributed.initialization_timeout": d.initialization_timeout,
         "log.profile_start": c.log.profile_start, "log.profile_steps": c.log.profile_steps,
         "guard.rollback_after": c.guard.rollback_after, "guard.max_rollbacks": c.guard.max_rollbacks,
+        "train.eval_limit": t.eval_limit,
     }.items():
         _integer(name, value, minimum=1)
     _integer("guard.warmup", c.guard.warmup, minimum=3)
@@ -298,9 +344,21 @@ def validate(c: Config) -> None:
     _real("optim.min_lr_ratio", o.min_lr_ratio, low=0, high=1)
     _real("optim.b1", o.b1, low=0, high=1, high_open=True)
     _real("optim.b2", o.b2, low=0, high=1, high_open=True)
+    _real("train.compile_cache_gb", t.compile_cache_gb, low=0, low_open=True)
+    _real("optim.muon_lr", o.muon_lr, low=0, low_open=True)
+    _real("optim.muon_momentum", o.muon_momentum, low=0, high=1, high_open=True)
+    _real("optim.muon_weight_decay", o.muon_weight_decay, low=0)
+    _integer("optim.muon_ns_steps", o.muon_ns_steps, minimum=1)
+    coeffs = o.muon_ns_coeffs
+    if len(coeffs) != 3 or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in coeffs):
+        raise ConfigError(f"optim.muon_ns_coeffs must be three finite numbers (a, b, c), got {coeffs!r}")
+    if o.name not in ("adamw", "muon"):
+        raise ConfigError(f"optim.name must be 'adamw' or 'muon', got {o.name!r}")
     _real("guard.z_loss", c.guard.z_loss, low=0, low_open=True)
     _real("guard.z_grad_norm", c.guard.z_grad_norm, low=0, low_open=True)
     _real("guard.decay", c.guard.decay, low=0, high=1, low_open=True, high_open=True)
+    for name in ("retry_seconds", "metrics_every", "lock_refresh_seconds"):
+        _real(f"storage.{name}", getattr(c.storage, name), low=0, low_open=True)
     if t.peak_flops is not None:
         _real("train.peak_flops", t.peak_flops, low=0, low_open=True)
     if t.seq_len > c.model.block_size:

@@ -52,6 +52,13 @@ class GPT2Config:
     # multiples of 128 (the TPU lane width), shrunk to fit shorter sequences. 512 is MaxText's default (sa_block_*).
     splash_block_q: int = 512
     splash_block_kv: int = 512
+    # Attention stays inside a document: each <|endoftext|> in a row starts a new one (gpt2/model.py
+    # `documents`; the loader packs documents back to back). Splash takes them as segment ids; elsewhere a
+    # [B, 1, T, T] boolean mask is compared in the trace.
+    document_mask: bool = False
+    # With document_mask: positions restart at 0 at every <|endoftext|>, so a packed document is embedded as if
+    # it were alone (as at sampling time) — but wpe rows past the typical document length are then rarely trained.
+    document_positions: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "pad_vocab_to", "block_size", "n_layer", "n_head", "n_embd",
@@ -65,6 +72,12 @@ class GPT2Config:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+        for name in ("document_mask", "document_positions"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.document_positions and not self.document_mask:
+            raise ConfigError("model.document_positions=true restarts positions at document boundaries and needs"
+                              " model.document_mask=true")
         _check_choice("dtype", self.dtype, DType)
         _check_choice("param_dtype", self.param_dtype, DType)
         _check_choice("remat", self.remat, RematPolicy)

@@ -16,6 +16,8 @@ from gpt2.config import GPT2Config, remat_policy
 from gpt2.layers import Block, KVCache, LayerNorm, normal, param_meta
 from gpt2.sharding import ShardingRules
 
+EOT = 50256  # <|endoftext|> (data/tokenizer.py): the loader writes one after every document
+
 
 class GPT2(nnx.Module):
     """GPT-2 language model.
@@ -53,8 +55,11 @@ class GPT2(nnx.Module):
         dropout_key: jax.Array | None = None,  # None: deterministic (eval); a key: dropout on
     ) -> jax.Array:  # [B, T, V_padded] logits, padded ids at -inf-like
         k_embd, k_blocks = _split(dropout_key)
-        x = self._embed(idx, start=0, dropout_key=k_embd)
-        x, _ = self._blocks(x, dropout_key=k_blocks)
+        segment_ids, positions = documents(idx) if self.config.document_mask else (None, None)
+        if not self.config.document_positions:
+            positions = None
+        x = self._embed(idx, start=0, positions=positions, dropout_key=k_embd)
+        x, _ = self._blocks(x, segment_ids=segment_ids, dropout_key=k_blocks)
         return self._head(x)
 
     def decode(
@@ -63,6 +68,8 @@ class GPT2(nnx.Module):
         cache: KVCache,  # (k, v), each [L, B, S, H, K]
         cache_index: jax.Array,  # scalar: position of idx[:, 0]
     ) -> tuple[jax.Array, KVCache]:  # ([B, T, V_padded], updated cache)
+        # No document masking here: the prompt and what follows are one document (a prompt holding an
+        # <|endoftext|> attends across it, as in HF's GPT-2), with positions counted from the prompt's start.
         x = self._embed(idx, start=cache_index)
         x, cache = self._blocks(x, cache=cache, cache_index=cache_index)
         return self._head(x), cache
@@ -74,23 +81,32 @@ class GPT2(nnx.Module):
 
     # ---- the three stages of the forward pass ----------------------------------------------
 
-    def _embed(self, idx, *, start, dropout_key=None) -> jax.Array:  # [B, T, D]
-        # positions start..start+T-1 are a contiguous slice of wpe: no gather needed
-        pos = jax.lax.dynamic_slice_in_dim(self.wpe.embedding[...], start, idx.shape[1])  # [T, D]
+    def _embed(self, idx, *, start, positions=None, dropout_key=None) -> jax.Array:  # [B, T, D]
+        x = self._token_embedding(idx) + self._position_embedding(idx.shape[1], start, positions)
+        x = self.drop(x, deterministic=dropout_key is None, rngs=dropout_key)
+        return self._constrain(x)
+
+    def _token_embedding(self, idx) -> jax.Array:  # [B, T] -> [B, T, D]
         # All-gather the table's embed axis (FSDP) before the lookup, as for every other weight: a lookup
         # sharded on embed can reach batch-sharded activations only by replicating them whole (GSPMD's
         # "involuntary full rematerialization", e.g. on gpt2_xl_pod's data × fsdp mesh).
         cdt = self.config.compute_dtype
         table = self._constrain(self.wte.embedding[...].astype(cdt), ("vocab", None))  # [V, D]
-        x = jnp.take(table, idx, axis=0) + pos.astype(cdt)[None]
-        x = self.drop(x, deterministic=dropout_key is None, rngs=dropout_key)
-        return self._constrain(x)
+        return jnp.take(table, idx, axis=0)
 
-    def _blocks(self, x, *, cache: KVCache | None = None, cache_index=None, dropout_key=None):
+    def _position_embedding(self, T, start, positions) -> jax.Array:  # [1, T, D], or [B, T, D] for [B, T] positions
+        cdt = self.config.compute_dtype
+        if positions is None:  # start..start+T-1: a contiguous slice of wpe, no gather needed
+            return jax.lax.dynamic_slice_in_dim(self.wpe.embedding[...], start, T).astype(cdt)[None]
+        table = self._constrain(self.wpe.embedding[...].astype(cdt), ("positions", None))  # [T_max, D], as wte
+        return jnp.take(table, positions, axis=0)
+
+    def _blocks(self, x, *, segment_ids=None, cache: KVCache | None = None, cache_index=None, dropout_key=None):
         """Runs the L blocks: a lax.scan over stacked parameters, or a Python loop.
 
-        Training passes a dropout key (or None) and no cache; decoding passes the [L, B, S, H, K] cache and the
-        position of x[:, 0]. Each block gets its own slice of the cache and its own dropout key.
+        Training passes a dropout key (or None), the [B, T] segment ids with document_mask (else None) and no
+        cache; decoding passes the [L, B, S, H, K] cache and the position of x[:, 0]. Each block gets its own
+        slice of the cache and its own dropout key; all share the segment ids.
         """
         L = self.config.n_layer
         keys = jax.random.split(dropout_key, L) if dropout_key is not None else None
@@ -99,7 +115,7 @@ class GPT2(nnx.Module):
             step = _block_fn(graphdef, self.config, self._constrain)
 
             def body(x, layer):  # layer: (params, cache slice, dropout key), each without the L axis
-                x, layer_cache = step(x, *layer, cache_index)
+                x, layer_cache = step(x, *layer, cache_index, segment_ids)
                 return x, layer_cache
 
             x, cache = jax.lax.scan(body, x, (params, cache, keys))
@@ -110,7 +126,7 @@ class GPT2(nnx.Module):
             step = _block_fn(graphdef, self.config, self._constrain)
             layer_cache = None if cache is None else (cache[0][i], cache[1][i])
             key = None if keys is None else keys[i]
-            x, layer_cache = step(x, params, layer_cache, key, cache_index)
+            x, layer_cache = step(x, params, layer_cache, key, cache_index, segment_ids)
             new_cache.append(layer_cache)
         if cache is not None:
             cache = tuple(jnp.stack(c) for c in zip(*new_cache))
@@ -143,6 +159,22 @@ def next_token_loss(model: GPT2, batch: jax.Array, dropout_key: jax.Array | None
     return losses.mean()
 
 
+def documents(idx: jax.Array) -> tuple[jax.Array, jax.Array]:  # [B, T] -> ([B, T], [B, T]) int32
+    """Segment ids and within-document positions of packed rows: every <|endoftext|> starts a new document.
+
+    The <|endoftext|> opens the document after it, as a beginning-of-text token (modded-nanogpt's
+    `(inputs == 50256).cumsum()`; GPT-2 samples unconditionally from it): the next document's first token is then
+    predicted from the <|endoftext|> alone, not from the document it closes, while predicting the <|endoftext|>
+    itself (the target after a document's last token) still sees that whole document. A row's first, cut-off
+    document is segment 0 with positions from the row's start.
+    """
+    is_eot = idx == EOT
+    segment_ids = jnp.cumsum(is_eot, axis=1, dtype=jnp.int32)
+    t = jnp.arange(idx.shape[1], dtype=jnp.int32)
+    starts = jax.lax.cummax(jnp.where(is_eot, t, 0), axis=1)  # [B, T] where each token's document starts
+    return segment_ids, t - starts
+
+
 def _stacked_blocks(config: GPT2Config, rngs: nnx.Rngs, rules: ShardingRules | None) -> Block:
     """L blocks created by vmap: every parameter gains a leading `layers` axis (and logical name)."""
 
@@ -155,11 +187,12 @@ def _stacked_blocks(config: GPT2Config, rngs: nnx.Rngs, rules: ShardingRules | N
 
 
 def _block_fn(graphdef, config: GPT2Config, constrain):
-    """A pure function (x, block params, cache, key, index) -> (x, cache), rematerialized per config."""
+    """A pure function (x, block params, cache, key, index, segment ids) -> (x, cache), rematerialized per
+    config."""
 
-    def apply(x, params, cache, key, cache_index):
+    def apply(x, params, cache, key, cache_index, segment_ids):
         block = nnx.merge(graphdef, params)
-        x, cache = block(x, cache=cache, cache_index=cache_index, dropout_key=key)
+        x, cache = block(x, segment_ids=segment_ids, cache=cache, cache_index=cache_index, dropout_key=key)
         return constrain(x), cache
 
     policy = remat_policy(config.remat)

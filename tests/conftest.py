@@ -83,3 +83,17 @@ def step_losses(run_dir: Path) -> list[float]:
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@contextlib.contextmanager
+def read_only(path):
+    """A read-only bind mount over `path` (root ignores file modes, so a chmod would prove nothing)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only directory needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)

@@ -1,18 +1,17 @@
 """The real train.py and eval.py: end-to-end runs in subprocesses (slow tier), and every check that ends a
 run before any JAX work called in-process (`run_main`), with the flag names of the program the user ran."""
 
-import contextlib
 import json
 import os
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
 import eval as eval_app
 import train as train_app
-from conftest import (ROOT, SMALL, checkpoint_steps, last_line, read_jsonl, run_cli, run_main, step_losses)
+from conftest import (ROOT, SMALL, checkpoint_steps, last_line, read_jsonl, read_only, run_cli, run_main,
+                      step_losses)
 
 
 def train_args(run_dir, shakespeare, *extra):
@@ -456,19 +455,6 @@ def test_a_foreign_or_corrupt_eval_json_is_refused_before_the_evaluation(k4_copy
     assert code == 2 and out == "" and err == [f"error: {k4_copy / 'eval.json'}: not an eval.json written by eval.py;"
                                                " move it away or pass another --out"]
     assert (k4_copy / "eval.json").read_text() == content
-
-
-@contextlib.contextmanager
-def read_only(path):
-    """A read-only bind mount over `path` (root ignores file modes, so a chmod would prove nothing)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a read-only directory needs root")
-    subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
-    try:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
 
 
 @pytest.mark.slow

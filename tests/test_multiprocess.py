@@ -1,5 +1,6 @@
 """Several JAX processes on this machine (CPU collectives over 127.0.0.1), as on a multi-host pod."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -73,12 +74,13 @@ def test_two_process_checkpoint_resumes_in_one_process_on_another_mesh(two_proce
     np.testing.assert_allclose(losses(tmp_path), losses(reference), rtol=0, atol=1e-5)
 
 
-def start_processes(run_dir, shakespeare, *extra, stderr=subprocess.PIPE):
+def start_processes(run_dir, shakespeare, *extra, stderr=subprocess.PIPE, env=None):
     """Two train.py processes of one job started directly (no launcher to forward signals)."""
-    port, procs = free_port(), []
+    port, procs, extra_env = free_port(), [], env or {}
     for pid in range(2):
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-               "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid)}
+               "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid),
+               **extra_env}
         procs.append(subprocess.Popen(
             [sys.executable, "train.py", "--run_dir", str(run_dir), f"--data.cache_dir={shakespeare}", *COMMON,
              "--train.steps=400", "--train.eval_every=0", "--checkpoint.every=1000", "--train.sample_tokens=0",
@@ -134,3 +136,144 @@ def test_a_dead_process_makes_the_others_fail_in_bounded_time(shakespeare, tmp_p
         procs[0].kill()
     assert procs[0].returncode != 0
     assert time.time() - killed < 120
+
+
+# ---- one process fails, the job ends -------------------------------------------------------------------
+
+
+def checkpoints_of(run_dir):
+    ckpt = run_dir / "checkpoints"
+    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.exists() else []
+
+
+def end_both(procs, timeout=60):
+    """(stderr of each, seconds from the first exit to the last) once both processes have ended."""
+    ended, deadline = {}, time.time() + timeout
+    while len(ended) < 2 and time.time() < deadline:
+        for i, p in enumerate(procs):
+            if i not in ended and p.poll() is not None:
+                ended[i] = time.time()
+        time.sleep(0.05)
+    for p in procs:
+        p.kill()
+    errs = [p.communicate()[1] for p in procs]
+    assert len(ended) == 2, f"not every process ended within {timeout} s:\n" + "\n".join(e[-2000:] for e in errs)
+    return errs, max(ended.values()) - min(ended.values())
+
+
+@contextlib.contextmanager
+def read_only_but_checkpoints(run_dir, alias):
+    """From now on no new file can be made in `run_dir` (a read-only bind mount over it, as a location that
+    turned read-only), while files already open stay writable and `checkpoints/` stays writable (bound back
+    from `alias`, a second view of the original directory). Root only: root ignores file modes."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only directory needs root")
+    alias.mkdir()
+    mounts = [["--bind", str(run_dir), str(alias)], ["--bind", str(run_dir), str(run_dir)],
+              ["-o", "remount,bind,ro", str(run_dir)],
+              ["--bind", str(alias / "checkpoints"), str(run_dir / "checkpoints")]]
+    for m in mounts:
+        subprocess.run(["mount", *m], check=True)
+    try:
+        yield
+    finally:
+        for target in (run_dir / "checkpoints", run_dir, alias):
+            subprocess.run(["umount", "--lazy", str(target)], check=True)
+
+
+def limit_file_size(proc, run_dir, room: int) -> None:
+    """From now on no file of `proc` may grow past the largest file in run_dir plus `room` bytes (RLIMIT_FSIZE
+    is per file): room for the logs' next lines, not for a checkpoint's arrays (~100 KB)."""
+    largest = max(p.stat().st_size for p in run_dir.iterdir() if p.is_file())
+    subprocess.run(["prlimit", f"--pid={proc.pid}", f"--fsize={largest + room}"], check=True)
+
+
+@pytest.mark.parametrize("fault", ["plot", "save"])
+def test_a_storage_error_on_process_0_ends_both_processes_in_seconds(shakespeare, tmp_path, fault):
+    """Process 0 alone meets a storage error mid-run while process 1 is already inside the next call's
+    collectives: the run directory turns read-only at the next loss.png, or a file-size limit (as a full
+    disk) stops the next checkpoint's arrays. Both end within seconds, one line each."""
+    run_dir = tmp_path / "run"
+    procs = start_processes(run_dir, shakespeare, "--checkpoint.every=4", "--checkpoint.keep=10",
+                            *(["--train.eval_every=4"] if fault == "plot" else []),
+                            env={"JAX_ENABLE_COMPILATION_CACHE": "false"})  # no truncated cache entries
+    wait_for_steps(run_dir, 6, procs[0])
+    with contextlib.ExitStack() as stack:
+        if fault == "plot":
+            stack.enter_context(read_only_but_checkpoints(run_dir, tmp_path / "alias"))
+        else:
+            limit_file_size(procs[0], run_dir, room=16_384)
+        faulted = time.time()
+        errs, spread = end_both(procs)
+    print(f"{fault}: both ended {time.time() - faulted:.1f} s after the fault, {spread:.2f} s apart")
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert [len(e.strip().splitlines()) for e in errs] == [1, 1], errs  # no traceback on either
+    cause = (f"cannot write {run_dir / 'loss.png'}: Read-only file system" if fault == "plot"
+             else f"could not save checkpoint in {run_dir / 'checkpoints'}: ")
+    assert errs[0].startswith(f"error: {cause}"), errs[0]
+    assert errs[1].startswith(f"error: process 0 failed ({cause}"), errs[1]
+    assert errs[1].strip().endswith("; process 1 stops with it"), errs[1]
+    assert spread < 5 and time.time() - faulted < 45, (spread, time.time() - faulted)
+    if fault == "plot":
+        return
+    # nothing saved is damaged: the newest checkpoint restores (one process here), and the failed save's
+    # temporary directory is cleaned away at the start
+    assert any("tmp" in p.name for p in (run_dir / "checkpoints").iterdir())
+    newest = checkpoints_of(run_dir)[-1]
+    code, out, err = run_main(train_app.main, "--run_dir", str(run_dir), f"--data.cache_dir={shakespeare}", *COMMON,
+                              "--train.steps=400", f"--train.stop_after={newest + 2}", "--train.eval_every=0",
+                              "--checkpoint.every=1000", "--train.sample_tokens=0")
+    assert code == 0 and f"resumed from {run_dir / 'checkpoints' / str(newest)}\n" in out, err[-3000:]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name] == []
+
+
+JOB = """
+import sys, time
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from configs.base import DistributedConfig
+from errors import StorageError, one_line_errors
+from trainer.processes import failing_together, initialize_distributed
+
+@one_line_errors
+def main(failer):
+    initialize_distributed(DistributedConfig())
+    with failing_together():
+        mesh = jax.make_mesh((jax.device_count(),), ("d",))
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), np.ones((2, 64), np.float32))
+        step = jax.jit(lambda x: (x.sum(), x * 1.0))
+        pending = None
+        for i in range(10**6):
+            total, x = step(x)  # dispatched before the previous call's result is read, as the loop does
+            if pending is not None:
+                float(pending)  # the other process waits here for the failed one
+            pending = total
+            if jax.process_index() == failer and i == 20:
+                print("failing", time.time(), flush=True)
+                raise StorageError("cannot write /x/metrics.jsonl: File too large")
+
+sys.exit(main(int(sys.argv[1])))
+"""
+
+
+@pytest.mark.parametrize("failer", [0, 1])
+def test_an_error_on_either_process_ends_both_in_one_line_each(tmp_path, failer):
+    """The job-wide failure protocol alone (no training): the failing process raises while the other has
+    dispatched the next call and waits inside its collective."""
+    port, procs = free_port(), []
+    for pid in range(2):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+               "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid)}
+        procs.append(subprocess.Popen([sys.executable, "-c", JOB, str(failer)], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    ended = time.time()
+    failed_at = float(outs[failer][0].split()[-1])
+    errs = [e for _, e in outs]
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert [len(e.strip().splitlines()) for e in errs] == [1, 1], errs
+    cause = "cannot write /x/metrics.jsonl: File too large"
+    other = 1 - failer
+    assert errs[failer] == f"error: {cause}\n"
+    assert errs[other] == f"error: process {failer} failed ({cause}); process {other} stops with it\n"
+    assert ended - failed_at < 5, ended - failed_at

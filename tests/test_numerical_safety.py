@@ -22,6 +22,7 @@ import pytest
 
 import eval as eval_app
 import train as train_app
+from trainer import goodput
 from configs.base import Config, GuardConfig, OptimConfig, TrainConfig
 from gpt2 import GPT2Config, make_mesh
 from trainer.checkpoint import Checkpoints
@@ -226,6 +227,8 @@ def test_rollback_restores_the_checkpoint_and_skips_the_window_and_resumes_exact
     assert [(r["step"], r["rollback"], r["abandoned"]) for r in rollback] == [(16, 1, [17, 24])]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 29))  # the file keeps one trajectory
     assert not any(r.get("skipped") for r in records)  # the planted batches were never read again
+    report = goodput.report(read_jsonl(tmp_path / "whole" / "events.jsonl"))
+    assert report.lost_steps == 8 and report.seconds["rollback"] > 0  # the abandoned steps 17-24
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "train.py", "--run_dir", str(killed), f"--data.dataset={poisoned}",

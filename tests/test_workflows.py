@@ -350,3 +350,34 @@ def test_eval_task_errors_are_one_line_before_any_work(tasks_dir, tmp_path, args
     code, _, err = run_main(eval_app.main, "--hf", str(tmp_path), "--out", str(tmp_path / "r.json"), *args)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert message in err
+
+
+# ---- benchmarks during training ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_benchmarks_during_training_are_logged_and_match_the_hf_backend(tasks_dir, hf_backend, shakespeare, tmp_path):
+    """train.eval_tasks at the step-2 evaluation of the same 2-step run as `run` (so the same weights as the
+    exported checkpoint): its accuracy on 4 documents equals lm-eval's `hf` backend's, in metrics.jsonl (as
+    wandb's eval/<task>/<metric>), eval.json and the console line with its time."""
+    run_dir = tmp_path / "run"
+    code, out, err = run_main(train_app.main, *train_args(run_dir, shakespeare, "--train.eval_every=2",
+                                                          "--train.eval_tasks=tiny_mc", "--train.eval_limit=4",
+                                                          f"--train.include_path={tasks_dir}"))
+    assert code == 0, err[-3000:]
+    reference = np.mean([s["acc"] for s in hf_backend["samples"]["tiny_mc"] if s["doc_id"] < 4])
+    (logged,) = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "eval/tiny_mc/acc" in r]
+    assert logged["step"] == 2 and logged["eval/tiny_mc/acc"] == reference
+    (record,) = json.loads((run_dir / "eval.json").read_text())["results"]
+    assert record["key"] == "step=2,tasks=tiny_mc,limit=4,max_length=64" and record["lm_eval"]["tiny_mc"]["acc"] == reference
+    assert f"step 2: tiny_mc/acc {reference:.4g}" in out + err and " s)" in out + err
+
+
+def test_a_benchmark_that_cannot_load_stops_training_before_it_starts(tmp_path, shakespeare, monkeypatch):
+    """A hub task with no network: one line at start-up, nothing written."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = run_main(train_app.main, *train_args(tmp_path / "run", shakespeare, "--train.eval_tasks=lambada_openai"))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "train.eval_tasks: cannot load the tasks' documents" in err and "train.include_path" in err
+    assert not (tmp_path / "run").exists()

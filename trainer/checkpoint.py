@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
 from typing import Any, Callable
 
@@ -24,7 +25,7 @@ from configs.base import CheckpointConfig, Config
 from errors import CheckpointError, DataError, UserError, first_line
 from data.loader import position_file, restore_position, rows_consumed, seek
 from trainer.run_dir import absolute, move, storage_errors, warn
-from trainer.processes import all_agree, barrier, is_process_0
+from trainer.processes import all_agree, barrier, end_job, is_process_0
 
 STATE, DATA, META = "state", "data", "meta"
 DAMAGED = "checkpoints.damaged"  # beside checkpoints/: where unreadable checkpoints are moved, never deleted
@@ -33,7 +34,8 @@ DAMAGED = "checkpoints.damaged"  # beside checkpoints/: where unreadable checkpo
 class Checkpoints:
     """The run's `checkpoints/` directory."""
 
-    def __init__(self, run_dir: str | os.PathLike, cfg: CheckpointConfig, *, read_only: bool = False):
+    def __init__(self, run_dir: str | os.PathLike, cfg: CheckpointConfig, *, read_only: bool = False,
+                 save_statistics=None):
         run_dir = absolute(run_dir)  # Orbax wants absolute paths
         self.run_dir = run_dir
         self._before_save: list[Callable[[], None]] = []
@@ -44,8 +46,17 @@ class Checkpoints:
             enable_async_checkpointing=cfg.async_save,
             create=not read_only,
             read_only=read_only,
+            # a save cut short by a kill leaves `<step>.orbax-checkpoint-tmp-*` (on GCS: `<step>/` without
+            # commit_success.txt); Orbax removes those (on process 0) when the manager is created, never a
+            # finished checkpoint. The run directory's lock is held by then: no other trainer is saving.
+            cleanup_tmp_directories=not read_only,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, DATA, META))
+        # save_statistics: an Orbax logger given each save's statistics (trainer/goodput.py's blocking times)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, DATA, META),
+                                             logger=save_statistics)
+        self._writer_failure = _WriterFailure(self.directory)
+        if not read_only and jax.process_count() > 1:
+            logging.getLogger("absl").addHandler(self._writer_failure)
         # train.py agrees on preemption through JAX's sync point, counting its calls; Orbax would report its
         # save steps to the same counter, and a stop agreed on "save step + 1" is a call number never reached
         self.manager.reached_preemption = lambda step: False
@@ -166,6 +177,33 @@ class Checkpoints:
 
     def close(self) -> None:
         self.manager.close()
+        logging.getLogger("absl").removeHandler(self._writer_failure)
+
+
+class _WriterFailure(logging.Handler):
+    """Ends the job when an Orbax writer thread fails (a full disk, an I/O error), as soon as Orbax logs it.
+
+    With several processes an asynchronous save that fails on one process leaves every process waiting in
+    Orbax's commit barriers (the failed writer never arrives) until Orbax's timeout (10 minutes), and the main
+    threads wait in the next save behind them: the failure would never reach the loop in time. Orbax's
+    background thread logs the failure (absl logging, with the exception) before it stores it; that record
+    is the one place it can be seen at once.
+    """
+
+    def __init__(self, directory):
+        super().__init__(logging.ERROR)
+        self.directory = directory
+
+    def emit(self, record: logging.LogRecord) -> None:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and "Failed to run" in record.getMessage():
+            end_job(f"could not save checkpoint in {self.directory}: {_ends(first_line(error, 10_000))}")
+
+
+def _ends(text: str, keep: int = 140) -> str:
+    """A long error (TensorStore's name every path it passed) cut in the middle: its start says what failed,
+    its end why."""
+    return text if len(text) <= 2 * keep else f"{text[:keep]} ... {text[-keep:]}"
 
 
 class CheckpointDamaged(CheckpointError):
@@ -194,6 +232,10 @@ def check_compatible(saved: dict, config: Config, where) -> None:
     if "scan_layers" in saved_model and saved_model["scan_layers"] != current["scan_layers"]:
         diffs.append(f"model.scan_layers: checkpoint {saved_model['scan_layers']!r} vs config"
                      f" {current['scan_layers']!r} (parameter layouts differ)")
+    saved_optimizer = saved.get("config", {}).get("optim", {}).get("name", "adamw")
+    if saved_optimizer != config.optim.name:
+        diffs.append(f"optim.name: checkpoint {saved_optimizer!r} vs config {config.optim.name!r} (the optimizer"
+                     " states differ; keep the optimizer, or start a new --run_dir)")
     if diffs:
         raise CheckpointMismatch(f"{where}: checkpoint does not fit this model: " + "; ".join(diffs))
 

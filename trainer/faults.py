@@ -19,6 +19,7 @@ from errors import TrainingError, UserError, first_line
 from trainer.checkpoint import Checkpoints
 from trainer.processes import say
 from trainer.resume import restore_state
+from trainer.run_dir import outage_note, storage_exceptions
 from trainer.spike_guard import without_streak
 
 if TYPE_CHECKING:
@@ -44,10 +45,10 @@ def save_errors(ckpt: Checkpoints):
     report their failure at the next save or wait, so both go through here."""
     try:
         yield
-    except (OSError, ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, *storage_exceptions()) as e:
         if isinstance(e, UserError):
             raise
-        raise SaveFailed(f"could not save checkpoint in {ckpt.directory}: {first_line(e)}") from None
+        raise SaveFailed(f"could not save checkpoint in {ckpt.directory}: {first_line(e)}{outage_note()}") from None
 
 
 @contextlib.contextmanager

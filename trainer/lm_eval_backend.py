@@ -30,7 +30,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
-from errors import CheckpointError, ConfigError
+from errors import CheckpointError, ConfigError, first_line
 from data.tokenizer import EOT, get_tokenizer
 from trainer.evaluation import Evaluator
 from trainer.processes import say
@@ -215,17 +215,17 @@ def task_names(tasks: str) -> list[str]:
 
 
 @functools.cache
-def task_manager(tasks: str, include_path: str | None):
+def task_manager(tasks: str, include_path: str | None, flags: tuple[str, str] = ("--tasks", "--include_path")):
     """lm-eval's TaskManager, checked to know every task in `tasks`. Tasks found under `include_path` need no
-    index of lm-eval's ~15,000 built-in task files (7 s)."""
+    index of lm-eval's ~15,000 built-in task files (7 s). `flags`: the two settings' names, for the errors."""
     from lm_eval.tasks import TaskManager
 
-    names = task_names(tasks)
+    names, (tasks_flag, include_flag) = task_names(tasks), flags
     if not names:
-        raise ConfigError(f"--tasks {tasks!r} names no task")
+        raise ConfigError(f"{tasks_flag} {tasks!r} names no task")
     if include_path is not None:
         if not Path(include_path).is_dir():
-            raise ConfigError(f"--include_path {include_path}: no such directory")
+            raise ConfigError(f"{include_flag} {include_path}: no such directory")
         local = TaskManager(include_path=include_path, include_defaults=False)
         if all(name in local.all_tasks for name in names):
             return local
@@ -234,13 +234,24 @@ def task_manager(tasks: str, include_path: str | None):
         if name not in manager.all_tasks:
             close = difflib.get_close_matches(name, manager.all_tasks, n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ConfigError(f"--tasks: no lm-eval task {name!r}{hint}; `lm-eval ls tasks` lists them,"
-                              " --include_path adds a directory of task YAMLs")
+            raise ConfigError(f"{tasks_flag}: no lm-eval task {name!r}{hint}; `lm-eval ls tasks` lists them,"
+                              f" {include_flag} adds a directory of task YAMLs")
     return manager
 
 
+def check_tasks_load(tasks: str, include_path: str | None, flags: tuple[str, str]) -> None:
+    """Every task known and its documents loadable now (a hub dataset with no network fails here, before any
+    work, not at the first evaluation); the datasets library keeps what it loaded for the evaluations."""
+    manager = task_manager(tasks, include_path, flags)
+    try:
+        manager.load(task_names(tasks))
+    except Exception as e:  # noqa: BLE001 - datasets and the hub raise many kinds; the reason is the line
+        raise ConfigError(f"{flags[0]}: cannot load the tasks' documents ({first_line(e)}); with no network, give"
+                          f" local task YAMLs in {flags[1]}") from None
+
+
 def evaluate_tasks(evaluator: Evaluator, params, *, tasks: str, include_path: str | None, limit: int | None,
-                   batch_size: int, max_length: int, **key) -> dict:
+                   batch_size: int, max_length: int, table: bool = True, **key) -> dict:
     """One eval.json record: lm-eval's figures for `tasks`, keyed by the step (or model) and the settings
     that change them (tasks, limit, max_length)."""
     import lm_eval
@@ -255,7 +266,8 @@ def evaluate_tasks(evaluator: Evaluator, params, *, tasks: str, include_path: st
                for task, metrics in out["results"].items()}
     record = eval_record(settings, lm_eval=figures, lm_eval_version=lm_eval.__version__,
                          documents={task: n["effective"] for task, n in out["n-samples"].items()})
-    where = f"step {key['step']}" if key.get("step") is not None else "model"
-    say(f"{where}: lm-eval {settings['tasks']} (max_length {max_length}, limit {settings['limit']})\n"
-        f"{make_table(out)}")
+    if table:
+        where = f"step {key['step']}" if key.get("step") is not None else "model"
+        say(f"{where}: lm-eval {settings['tasks']} (max_length {max_length}, limit {settings['limit']})\n"
+            f"{make_table(out)}")
     return record

@@ -23,6 +23,7 @@ from trainer.corpus import val_dataset
 from trainer.faults import Preemption, finishing_saves, health, roll_back, save_errors
 from trainer.metrics import peak_flops_per_device
 from trainer.profiler import Profile
+from trainer.run_dir import merge_eval_results
 
 if TYPE_CHECKING:
     from trainer.training import TrainingRun
@@ -47,6 +48,7 @@ class DispatchedCall:
     metrics: dict  # device arrays: read one call late
     batches: jax.Array  # [K, B, T+1]: its last batch probes the state before a save
     dispatched: float  # time.perf_counter() at dispatch
+    dispatched_at: float  # time.time() when its dispatch began (the goodput timeline's clock)
 
 
 class Loop:
@@ -61,7 +63,7 @@ class Loop:
         self.peak = peak_flops_per_device(t.peak_flops) * jax.device_count()
         self.bar = tqdm(total=t.steps, initial=self.step, unit="step", dynamic_ncols=True,
                         disable=not (run.cfg.log.progress and run.logger.active))
-        self.calls, self.last_ready = 0, 0.0
+        self.calls, self.last_ready, self.last_done = 0, 0.0, 0.0
         self.evaluate = make_evaluator(run)
 
     def run_to_stop(self):
@@ -70,10 +72,11 @@ class Loop:
         with finishing_saves(self.run.ckpt), profile as self.profile:
             while self.step < self.stop:
                 n = steps_this_call(self.step, self.stop, self.cfg)
-                batches, active = self.run.next_batches(n)  # while the previous call runs on the devices
+                batches, active = self.next_batches(n, waiting=pending is None)
                 self.profile.before_call(self.step, n)
+                dispatching = time.time()  # the first call compiles here: the timeline carves that out
                 self.state, metrics = call(self.state, batches, active)
-                dispatched = DispatchedCall(self.step, n, metrics, batches, time.perf_counter())
+                dispatched = DispatchedCall(self.step, n, metrics, batches, time.perf_counter(), dispatching)
                 self.step += n
                 if pending is not None and not self.finish(pending):
                     pending = None  # rolled back: the call just dispatched is abandoned with it
@@ -87,11 +90,19 @@ class Loop:
                         if done:
                             break
             self.bar.close()
-            with save_errors(self.run.ckpt):
+            with save_errors(self.run.ckpt), self.run.timeline.measure("checkpoint"):
                 self.run.ckpt.wait()
         if self.preemption.signal_name and self.run.logger.active:
             print(f"stopped by {self.preemption.signal_name} at step {self.step}; checkpoint saved, restart to resume")
         return self.state
+
+    def next_batches(self, n: int, *, waiting: bool):
+        """The next call's batches: read while the previous call runs on the devices, or, when none runs
+        (`waiting`: after an evaluation, a checkpoint, the first call), time the devices wait for data."""
+        if not waiting:
+            return self.run.next_batches(n)
+        with self.run.timeline.measure("data"):
+            return self.run.next_batches(n)
 
     def boundary(self) -> tuple[bool, bool]:
         """(save a checkpoint at self.step, stop there); every process asks at every call (preemption is agreed
@@ -110,23 +121,40 @@ class Loop:
         metrics = {k: v[: c.n] if np.ndim(v) else v for k, v in jax.device_get(c.metrics).items()}  # waits
         ready = time.perf_counter()
         elapsed, self.last_ready = ready - max(c.dispatched, self.last_ready), ready
+        skipped = int(np.sum(metrics["skipped"])) if self.run.program.guarded else 0
+        checked = time.time()
         problem = health(self.run, self.state, metrics, c.step, c.batches[c.n - 1] if probe else None)
+        probing = time.time() - checked if probe else 0.0  # the pre-save probe (a forward pass): checkpoint work
         if problem is not None:
+            self.record_call(c, skipped, probing)  # computed, and lost with the rollback
             self.state = None  # the abandoned calls' state: free it before a checkpoint's is restored beside it
-            self.state, self.step = roll_back(self.run, problem, self.step)
+            with self.run.timeline.measure("rollback"):
+                self.state, self.step = roll_back(self.run, problem, self.step)
+            self.run.timeline.rolled_back(self.step)
             restart_bar(self.bar, self.step)
-            self.last_ready = 0.0
+            self.last_ready = self.last_done = 0.0
             return False
         reached = log_call(self.run, self.bar, c.step, metrics, elapsed, self.peak)
+        self.record_call(c, skipped, probing)
+        if probe:
+            self.run.timeline.interval("checkpoint", checked, checked + probing)
         self.profile.after_call(reached)
         if c.step == self.first:  # the first call compiled: the ETA counts from the calls after it
             restart_bar(self.bar, reached)
         return True
 
+    def record_call(self, c: DispatchedCall, skipped: int, excluded: float) -> None:
+        """The call's time on the goodput timeline: from its dispatch (or the end of the previous call's
+        bookkeeping, if later) to the end of its own, less `excluded` seconds counted elsewhere."""
+        done = time.time()
+        self.run.timeline.train_call(c.step, c.n, done - max(c.dispatched_at, self.last_done) - excluded, skipped)
+        self.last_done = done
+
     def checkpoint_and_evaluate(self, saving: bool) -> None:
         run = self.run
         if self.at_eval():
-            self.evaluate(self.state["params"], self.step, self.bar)
+            with run.timeline.measure("eval", step=self.step):
+                self.evaluate(self.state["params"], self.step, self.bar)
         if saving:
             with save_errors(run.ckpt):
                 run.ckpt.save(self.step, self.state, run.train_iter,
@@ -191,6 +219,27 @@ def make_evaluator(run: TrainingRun):
         run.logger.plot()
         if run.logger.active:
             bar.write(f"step {step}: val_loss {val_loss:.4f}")
+        if cfg.train.eval_tasks:
+            benchmarks(run, params, step, bar)
         return val_loss
 
     return evaluate
+
+
+def benchmarks(run: TrainingRun, params, step: int, bar) -> None:
+    """train.eval_tasks at an evaluation: lm-eval through the same scorer as eval.py --tasks (one compile per
+    padded shape for the whole run), into metrics.jsonl and wandb as eval/<task>/<metric>, and eval.json."""
+    from trainer.lm_eval_backend import evaluate_tasks
+
+    t, started = run.cfg.train, time.perf_counter()
+    record = evaluate_tasks(run.program.evaluator, params, tasks=t.eval_tasks, include_path=t.include_path,
+                            limit=t.eval_limit, batch_size=t.batch_size // t.grad_accum,
+                            max_length=run.cfg.model.block_size, table=False, step=step)
+    figures = {f"eval/{task}/{name}": value for task, metrics in record["lm_eval"].items()
+               for name, value in metrics.items()}
+    run.logger.log({"step": step, **figures})
+    if run.logger.active:
+        merge_eval_results(run.run_dir / "eval.json", [record])
+        shown = "  ".join(f"{key.removeprefix('eval/')} {value:.4g}" for key, value in figures.items()
+                          if not key.endswith("_stderr"))
+        bar.write(f"step {step}: {shown}  ({time.perf_counter() - started:.1f} s)")

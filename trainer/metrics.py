@@ -121,7 +121,8 @@ class MetricsLogger:
         self.wandb_id = wandb_id
         if not self.active:
             return
-        self.history, self.file = run_dir.open_metrics(start_step, rollbacks)
+        self.flush_every = config.storage.metrics_every
+        self.history, self.file = run_dir.open_metrics(start_step, rollbacks, self.flush_every)
         self.wandb = init_wandb(run_dir, wandb_mode, project=config.log.project,
                                 name=config.log.run_name or run_dir.path.name, run_id=wandb_id,
                                 config=dataclasses.asdict(config))
@@ -130,6 +131,7 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.active:
             return
+        self.run_dir.check_lock()  # never write on without holding the run directory
         self.history.append(record)
         with storage_errors("write", self.run_dir / "metrics.jsonl"):
             self.file.write(json.dumps(record) + "\n")
@@ -144,7 +146,7 @@ class MetricsLogger:
             return
         with storage_errors("write", self.run_dir / "metrics.jsonl"):
             self.file.close()
-        self.history, self.file = self.run_dir.open_metrics(step, rollbacks)
+        self.history, self.file = self.run_dir.open_metrics(step, rollbacks, self.flush_every)
 
     def sync(self) -> None:
         """Makes every record logged so far durable (on cloud storage they are appended in batches): called

@@ -2,20 +2,26 @@
 
 A pod runs one program per host. Whatever one process decides alone (it could not take the run directory, a
 checkpoint does not restore on it) must become the job's decision, or the others wait forever in their next
-collective. Every such agreement goes through here; with one process each is a no-op.
+collective. Every such agreement goes through here; with one process each is a no-op. An error that one process
+meets alone, at any point after the job has formed, ends every process within seconds (`failing_together`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
-from typing import Callable, TypeVar
+import sys
+import threading
+import time
+import traceback
+from typing import Callable, Iterator, TypeVar
 
 import jax
 import numpy as np
 
 from configs.base import DistributedConfig
-from errors import ConfigError, UserError
+from errors import ConfigError, UserError, first_line
 
 T = TypeVar("T")
 
@@ -98,3 +104,136 @@ def on_process_0(act: Callable[[], T], what: str) -> T | None:
     if not all_agree(failure is None):
         raise failure or UserError(f"process 0 could not {what}; its error is on its console")
     return result
+
+
+# ---- one failure ends the job --------------------------------------------------------------------
+
+_STOP = "gpt2_nnx/stop/"  # the coordination service's key for each process: "done", or the failure that ends it
+_GONE = "gpt2_nnx/gone/"  # set by each process that ends after a failure
+_WAIT_FOR_PEERS_S = 10  # how long the first process waits for the others before it exits (it hosts the service)
+_POLL_MS = 3_600_000  # a watcher's get: one request per hour when nothing happens
+
+
+class _Job:
+    """The job's failure protocol, through the jax.distributed coordination service's key-value store
+    (host-only requests to process 0, never a device collective, so nothing in the train loop waits on it).
+
+    A process whose run fails sets every other process's stop key to its one-line reason. Each process has a
+    watcher thread blocked on its own stop key (one long-poll request; the loop itself never asks anything, so
+    a train call costs nothing more); the watcher prints "process N failed (reason)" and ends its process at
+    once, wherever the main thread is waiting (a device collective that needs the failed process, an Orbax
+    barrier, a data read). Calls already dispatched need not be joined: every process leaves. Process 0 hosts
+    the coordination service, so it exits last: it waits until every other process has said it is going (or
+    _WAIT_FOR_PEERS_S has passed, for a process that is already dead).
+    """
+
+    def __init__(self):
+        from jax._src import distributed
+
+        self.client = distributed.global_state.client
+        self.me, self.n = jax.process_index(), jax.process_count()
+        self.failing = False  # this process is reporting its own failure: its watcher stands aside
+        self.watcher = threading.Thread(target=self._watch, name="job-failure-watcher", daemon=True)
+        self.watcher.start()
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                value = self.client.blocking_key_value_get(_STOP + str(self.me), _POLL_MS)
+                break
+            except Exception as e:  # noqa: BLE001 - the client reports a timeout as a generic runtime error
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    return  # the service is gone (shutdown at exit): nothing left to watch
+        if value == "done":
+            return
+        if self.me == 0:  # an error every process meets at once: process 0 reports its own, which names the cause
+            time.sleep(0.5)
+        if not self.failing:
+            self._end(value)
+
+    def _end(self, value: str) -> None:
+        """Ends this process because another one failed (`value` is "N: reason")."""
+        who, _, reason = value.partition(": ")
+        self._going()
+        print(f"error: process {who} failed ({reason}); process {self.me} stops with it", file=sys.stderr,
+              flush=True)
+        os._exit(2)
+
+    def _going(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.key_value_set(_GONE + str(self.me), "1")
+        if self.me == 0:  # the others' requests need the service until they have read their stop key
+            deadline = time.monotonic() + _WAIT_FOR_PEERS_S
+            for other in range(1, self.n):
+                left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+                with contextlib.suppress(Exception):
+                    self.client.blocking_key_value_get(_GONE + str(other), max(left_ms, 1))
+            time.sleep(0.2)  # their os._exit after setting the key
+
+    def fail(self, reason: str, *, own: bool = True) -> None:
+        """Reports this process's failure to every other process (the first report stands). An error that is not
+        the process's `own` (not a user-facing one: a collective broken by a process that died) gives way to an
+        earlier report."""
+        earlier = None if own else self._earlier_failure()
+        if earlier is not None:
+            self._end(earlier)
+        self.failing = True
+        for other in range(self.n):
+            if other != self.me:
+                with contextlib.suppress(Exception):  # ALREADY_EXISTS: another process reported first
+                    self.client.key_value_set(_STOP + str(other), f"{self.me}: {reason}")
+        self._going()
+
+    def _earlier_failure(self) -> str | None:
+        with contextlib.suppress(Exception):
+            value = self.client.key_value_try_get(_STOP + str(self.me))
+            return None if value == "done" else value
+        return None
+
+    def done(self) -> None:
+        """Stops the watcher (the run ended normally on this process)."""
+        with contextlib.suppress(Exception):
+            self.client.key_value_set(_STOP + str(self.me), "done")
+        self.watcher.join(timeout=5)
+
+
+_job: _Job | None = None  # set while failing_together is active on a job of several processes
+
+
+def end_job(reason: str) -> None:
+    """Ends every process of the job now, from any thread: for a failure that happens where no exception can
+    reach the main thread in time (an Orbax writer thread, while the main thread waits in a barrier that the
+    failure will never let finish). One process: does nothing (the failure surfaces in the main thread)."""
+    if _job is None:
+        return
+    _job.fail(reason)
+    print(f"error: {reason}", file=sys.stderr, flush=True)
+    os._exit(2)
+
+
+@contextlib.contextmanager
+def failing_together() -> Iterator[None]:
+    """Any error that ends one process ends every process of the job, within seconds: the failing process
+    exits with its own one-line error, the others with "process N failed (reason)". Without it the others
+    would wait in their next collective until the coordination service's heartbeat timeout (~100 s), then die
+    with a traceback. Every process of a failing job leaves through os._exit: an orderly exit would wait at
+    jax.distributed's shutdown barrier for processes that are gone."""
+    global _job
+    if jax.process_count() == 1:
+        yield
+        return
+    job = _job = _Job()
+    try:
+        yield
+        job.done()
+    except UserError as e:
+        job.fail(first_line(e))
+        e.abandon_threads = True  # leave through os._exit (errors.one_line_errors)
+        raise
+    except BaseException as e:
+        job.fail(f"{type(e).__name__}: {first_line(e)}", own=False)
+        traceback.print_exc()  # not a user's error: its traceback is the report
+        sys.stderr.flush()
+        os._exit(1)
+    finally:
+        _job = None

@@ -2,7 +2,8 @@
 cloud storage (`gs://bucket/path`).
 
     <run_dir>/
-      .lock, .lock.json        one trainer at a time (holder: host, pid, start time)
+      .lock, .lock.json        one trainer at a time (holder: host, pid, start time; on GCS a lease: token,
+                               last refresh)
       config.json              the config of the first start, never overwritten
       config_changes.jsonl     one record per resume that changed the config: {step, time, changes}
       metrics.jsonl            one JSON record per step and per evaluation, cut back to the checkpoint on resume
@@ -22,12 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import importlib.util
 import json
 import os
+import random
 import socket
 import sys
+import threading
 import time
+import uuid
 from typing import Any, Iterator
 
 from etils import epath
@@ -62,9 +67,14 @@ def oserror_reason(e: BaseException) -> str:
     return first_line(e)
 
 
-def _storage_exceptions() -> tuple[type[BaseException], ...]:
-    """OSError, and the GCS clients' own errors (an HTTP error, no usable credentials) once they are loaded."""
+def storage_exceptions() -> tuple[type[BaseException], ...]:
+    """OSError, and the GCS clients' own errors (an HTTP error, a dropped connection, no usable credentials)
+    once they are loaded."""
     kinds: list[type[BaseException]] = [OSError]
+    if "aiohttp" in sys.modules:  # gcsfs's transport: a dropped connection is not an OSError there
+        from aiohttp import ClientError
+
+        kinds.append(ClientError)
     if "gcsfs" in sys.modules:
         from gcsfs.retry import HttpError
 
@@ -76,6 +86,103 @@ def _storage_exceptions() -> tuple[type[BaseException], ...]:
     return tuple(kinds)
 
 
+# ---- cloud storage that falters --------------------------------------------------------------------
+
+_retry = {"budget": 600.0, "since": None}  # the retry budget (seconds); when the current outage began
+
+
+def retry_storage_for(budget: float) -> None:
+    """Every cloud-storage request of this process (the trainer's files, the lock, Orbax's metadata through
+    gcsfs; its arrays through TensorStore) retries transient failures (HTTP 429/5xx, a refused or reset
+    connection, a timeout) with exponential backoff for up to `budget` seconds before it fails. An outage is
+    reported once, when it starts, and once when it ends.
+
+    gcsfs retries a request 6 times (~30 s) with no setting to change it, so its request method's own retry
+    decorator is replaced here by one with a budget in seconds (the same retriable errors: gcsfs's
+    `is_retriable`); TensorStore takes its retry limits from its context, which Orbax builds from a
+    module-level default.
+    """
+    _retry["budget"] = float(budget)
+    _tensorstore_retries(budget)
+    if importlib.util.find_spec("gcsfs") is None:
+        return
+    import gcsfs
+
+    request = gcsfs.GCSFileSystem._request
+    if not getattr(request, "budgeted", False):
+        gcsfs.GCSFileSystem._request = _budgeted(getattr(request, "__wrapped__", request))
+
+
+def _budgeted(request):
+    from gcsfs.retry import is_retriable
+
+    @functools.wraps(request)
+    async def retried(self, *args, **kwargs):
+        import asyncio
+
+        delay, started = 1.0, time.monotonic()
+        while True:
+            try:
+                result = await request(self, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - what may be retried is gcsfs's own judgement
+                if not (is_retriable(e) and time.monotonic() - started < _retry["budget"]):
+                    raise
+                _outage_began(e)
+                await asyncio.sleep(min(delay, max(0.0, _retry["budget"] - (time.monotonic() - started)) + 0.1))
+                delay = min(2 * delay, 30.0) * (0.75 + 0.5 * random.random())
+                continue
+            _outage_ended()
+            return result
+
+    retried.budgeted = True
+    return retried
+
+
+@contextlib.contextmanager
+def without_retries() -> Iterator[None]:
+    """One attempt per request: for what a failing run does on its way out (releasing the lock), which must
+    not wait out the retry budget; a lock left behind is taken over at the next start."""
+    budget, _retry["budget"] = _retry["budget"], 0.0
+    try:
+        yield
+    finally:
+        _retry["budget"] = budget
+
+
+def outage_note() -> str:
+    """What to add to a storage error met during an outage: how long it was retried, and the flag."""
+    if _retry["since"] is None:
+        return ""
+    return f" (cloud storage unavailable for {time.monotonic() - _retry['since']:.0f} s; storage.retry_seconds)"
+
+
+def _outage_began(e: BaseException) -> None:
+    if _retry["since"] is None:
+        _retry["since"] = time.monotonic()
+        warn(f"cloud storage request failed ({first_line(e, 120)}); retrying for up to {_retry['budget']:.0f} s"
+             " (storage.retry_seconds)")
+
+
+def _outage_ended() -> None:
+    if _retry["since"] is not None:
+        warn(f"cloud storage answers again after {time.monotonic() - _retry['since']:.0f} s")
+        _retry["since"] = None
+
+
+def _tensorstore_retries(budget: float) -> None:
+    """TensorStore's GCS retries (default: 32 attempts, 1 s to 32 s apart): as many as fit in `budget`."""
+    try:
+        from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+    except ImportError:
+        return
+    attempts, waited, delay = 0, 0.0, 1.0
+    while waited < budget:
+        waited, delay, attempts = waited + delay, min(2 * delay, 32.0), attempts + 1
+    retries = {"max_retries": max(attempts, 1), "initial_delay": "1s", "max_delay": "32s"}
+    for context in (ts_utils._BASE_TS_CONTEXT, ts_utils._DEFAULT_OCDBT_TS_CONTEXT):  # noqa: SLF001
+        context["gcs_request_retries"] = retries
+
+
 @contextlib.contextmanager
 def storage_errors(what: str, path) -> Iterator[None]:
     """Turns a storage error into one line naming the path and the reason."""
@@ -83,11 +190,11 @@ def storage_errors(what: str, path) -> Iterator[None]:
         yield
     except StorageError:
         raise
-    except _storage_exceptions() as e:
+    except storage_exceptions() as e:
         reason = oserror_reason(e)
         if isinstance(e, FileNotFoundError) and is_remote(path):  # gcsfs names only the request's URL
             reason = "not found (does the bucket exist, and may these credentials use it?)"
-        raise StorageError(f"cannot {what} {path}: {reason}") from None
+        raise StorageError(f"cannot {what} {path}: {reason}{outage_note()}") from None
 
 
 def atomic_write(path: epath.Path, data: str | bytes) -> None:
@@ -110,21 +217,37 @@ def atomic_write(path: epath.Path, data: str | bytes) -> None:
                 tmp.unlink()
 
 
-def append(path: epath.Path, data: str | bytes) -> None:
-    """Appends to a file. A GCS object cannot be appended to: the data is uploaded as a part object and
-    composed onto the object (GCS `compose`, atomic: readers see the object before or after the append), then
-    the part is deleted. One writer at a time (the run directory's lock)."""
+# A composite GCS object is limited to 1,024 components (documented by Google); an appended object is rewritten
+# as one plain object before it reaches this many, so a week-long run's metrics.jsonl never meets the limit.
+MAX_COMPONENTS = 512
+
+
+def append(path: epath.Path, data: str | bytes, components: int | None = None) -> int:
+    """Appends to a file; returns how many components the object now has (1 on a local disk).
+
+    A GCS object cannot be appended to: the data is uploaded as a part object and composed onto the object
+    (GCS `compose`, atomic: readers see the object before or after the append), then the part is deleted. Each
+    compose adds a component; once the object has MAX_COMPONENTS (GCS's `componentCount`, or `components` as
+    counted by the caller where the server does not report it), the object is rewritten whole instead: one
+    upload, one component. One writer at a time (the run directory's lock)."""
     path = epath.Path(path)
     data = data.encode() if isinstance(data, str) else data
     with storage_errors("write", path):
         if not is_remote(path):
             with path.open("ab") as f:
                 f.write(data)
-            return
+            return 1
         fs, key = _filesystem(path)
-        if not fs.exists(key):
+        try:
+            info = fs.info(key)
+        except FileNotFoundError:
             fs.pipe_file(key, data)
-            return
+            return 1
+        count = max(int(info.get("componentCount", 1)), components or 1)
+        if count >= MAX_COMPONENTS:
+            fs.pipe_file(key, fs.cat_file(key) + data)
+            fs.invalidate_cache(key)
+            return 1
         part = f"{key}.part-{socket.gethostname()}-{os.getpid()}"
         fs.pipe_file(part, data)
         try:
@@ -132,6 +255,7 @@ def append(path: epath.Path, data: str | bytes) -> None:
         finally:
             fs.rm_file(part)
             fs.invalidate_cache(key)
+        return count + 1
 
 
 def move(src: epath.Path, dst: epath.Path) -> None:
@@ -161,6 +285,7 @@ class AppendLog:
         self._file = None if is_remote(path) else path.open("a")
         self._pending: list[str] = []
         self._last = time.monotonic()
+        self.components = 1  # of the object on GCS: open_metrics has just rewritten it whole
 
     def write(self, text: str) -> None:
         if self._file is not None:
@@ -179,7 +304,7 @@ class AppendLog:
             self._file.flush()
             return
         if self._pending:
-            append(self.path, "".join(self._pending))
+            self.components = append(self.path, "".join(self._pending), self.components)
             self._pending.clear()
         self._last = time.monotonic()
 
@@ -188,6 +313,10 @@ class AppendLog:
             self._file.close()
         else:
             self.sync()
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def warn(message: str) -> None:
@@ -222,6 +351,8 @@ class RunDir:
         self.path = epath.Path(path)
         self.remote = is_remote(self.path)
         self._lock = None
+        self._generation, self._refresh_every, self.lock_error = 0, 60.0, None
+        self._stop_refresh, self._refresher = threading.Event(), None
         if self.remote and importlib.util.find_spec("gcsfs") is None:
             raise StorageError(f"{path}: a run directory on cloud storage needs the gcs extra"
                               " (pip install -e '.[gcs]')")
@@ -254,13 +385,18 @@ class RunDir:
 
     # ---- one writer ------------------------------------------------------------------------------
 
-    def lock(self) -> None:
+    def lock(self, refresh_every: float = 60.0) -> None:
         """Takes the run directory for this process, or raises naming the trainer that holds it."""
         self.create()
         holder = {"host": socket.gethostname(), "pid": os.getpid(),
                   "started": datetime.datetime.now().isoformat(timespec="seconds")}
         if self.remote:
+            self._refresh_every = refresh_every
+            holder.update(refreshed=_utc_now(), refresh_every=refresh_every)
             self._lock_object(holder)
+            self._stop_refresh.clear()
+            self._refresher = threading.Thread(target=self._refresh_lock, name="run-dir-lock", daemon=True)
+            self._refresher.start()
         else:
             self._lock_file()
             atomic_write(self.path / HOLDER, json.dumps(holder))
@@ -284,37 +420,120 @@ class RunDir:
                  f" ({self._holder(holder_file)})")
 
     def _lock_object(self, holder: dict) -> None:
-        """On GCS, which has nothing like flock, the lock is the object .lock.json itself: created only if
-        absent (an upload with the precondition ifGenerationMatch=0, which GCS evaluates atomically: of two
-        trainers starting at once, one gets HTTP 412) and deleted by its holder at exit. Nothing renews it, so
-        the lock of a trainer that died without exiting (kill -9, a lost VM) stays: it is taken over, with a
-        warning, when its holder was a process of this host that no longer runs; any other holder is refused,
-        and the message names the object to delete once that trainer is known to be dead. The tests' local
-        server (fake-gcs-server) honours the precondition; on real GCS exclusivity is documented, not tested.
+        """On GCS, which has nothing like flock, the lock is the object .lock.json itself, a lease: created only
+        if absent (an upload with the precondition ifGenerationMatch=0), refreshed by its holder every
+        `refresh_every` seconds, deleted at exit. Every write is conditioned on the generation it replaces, which
+        GCS checks atomically: of two trainers creating it, or taking over one dead holder's lock, exactly one
+        succeeds and the other gets HTTP 412 and is refused. Each holder carries a random token, so a create or
+        refresh whose response was lost and that is retried finds its own token on read-back and keeps the lock.
+        A lock is a dead trainer's when its holder was a process of this host that no longer runs, or when it
+        has not been refreshed for 10 refresh periods plus the retry budget (a lost VM); any other holder is
+        refused, and the message names the object to delete once that trainer is known to be dead.
         """
         holder_file = self.path / HOLDER
-        fs, key = _filesystem(holder_file)
-        for _ in range(2):
-            with storage_errors("write", holder_file):
-                try:
-                    fs.pipe_file(key, json.dumps(holder).encode(), mode="create")
-                    self._lock = holder
-                    return
-                except FileExistsError:
+        holder["token"] = uuid.uuid4().hex
+        with storage_errors("write", holder_file):
+            generation = self._write_holder(holder, if_generation=0)
+            if generation is None:
+                current, generation = self._read_holder_versioned(holder_file)
+                if current.get("token") == holder["token"]:  # our own create, its response lost and retried
                     pass
-            current = self._read_holder(holder_file)
-            if current is None or not self._died_here(current):
-                raise self._in_use(holder_file)
-            warn(f"{self.path}: taking over the lock of a trainer that did not exit cleanly"
-                 f" ({self._holder(holder_file)})")
-            with storage_errors("remove the lock of a dead trainer", holder_file):
-                holder_file.unlink(missing_ok=True)
-        raise self._in_use(holder_file)
+                elif not current:  # released since: create it again
+                    generation = self._write_holder(holder, if_generation=0)
+                    if generation is None:
+                        raise self._in_use(holder_file)
+                elif self._dead(current):
+                    warn(f"{self.path}: taking over the lock of a trainer that did not exit cleanly"
+                         f" ({self._describe(current)})")
+                    generation = self._write_holder(holder, if_generation=generation)
+                    if generation is None:  # another starter took it over first
+                        raise self._in_use(holder_file)
+                else:
+                    raise self._in_use(holder_file)
+        self._lock = holder
+        self._generation = generation
+
+    def _write_holder(self, holder: dict, *, if_generation: int) -> int | None:
+        """Uploads the holder object if its generation is still `if_generation` (0: if absent); the new
+        generation, or None when the precondition failed (HTTP 412) and the read-back shows another holder."""
+        from gcsfs.core import quote
+
+        fs, key = _filesystem(self.path / HOLDER)
+        bucket, name = key.split("/", 1)
+        body = json.dumps(holder)
+        data = (f'--==0==\nContent-Type: application/json; charset=UTF-8\n\n{json.dumps({"name": name})}\n--==0=='
+                f'\nContent-Type: application/json\n\n{body}\n--==0==--').encode()
+        try:
+            # gcsfs's own uploads offer create-if-absent only: this is its multipart upload with any generation
+            out = fs.call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o",  # noqa: SLF001
+                          uploadType="multipart", ifGenerationMatch=str(if_generation), data=data, json_out=True,
+                          headers={"Content-Type": 'multipart/related; boundary="==0=="'})
+        except FileExistsError:
+            current, generation = self._read_holder_versioned(self.path / HOLDER)
+            return generation if current.get("token") == holder["token"] and if_generation else None
+        finally:
+            fs.invalidate_cache(key)
+        return int(out["generation"])
+
+    @staticmethod
+    def _read_holder_versioned(holder_file: epath.Path) -> tuple[dict, int]:
+        fs, key = _filesystem(holder_file)
+        fs.invalidate_cache(key)
+        try:
+            info = fs.info(key)
+            holder = json.loads(fs.cat_file(key))
+        except FileNotFoundError:
+            return {}, 0  # released meanwhile: the next create may succeed
+        except ValueError:
+            holder = {}
+        return (holder if isinstance(holder, dict) else {}), int(info.get("generation") or 0)
+
+    def _dead(self, holder: dict) -> bool:
+        if not holder:
+            return False
+        if self._died_here(holder):
+            return True
+        try:
+            age = datetime.datetime.now(datetime.timezone.utc) - datetime.datetime.fromisoformat(holder["refreshed"])
+            return age.total_seconds() > 10 * float(holder.get("refresh_every", self._refresh_every)) + _retry["budget"]
+        except (KeyError, TypeError, ValueError):
+            return False
+
+    def _refresh_lock(self) -> None:
+        """The lease's heartbeat (a thread): rewrites the holder object, conditioned on the generation this
+        trainer wrote last. A failure (storage down past the retry budget, or the lock taken over by another
+        trainer) is kept for `check_lock`, which the training loop calls."""
+        holder_file = self.path / HOLDER
+        while not self._stop_refresh.wait(self._refresh_every):
+            holder = {**self._lock, "refreshed": _utc_now()}
+            try:
+                generation = self._write_holder(holder, if_generation=self._generation)
+            except Exception as e:  # noqa: BLE001 - reported on the main thread
+                self.lock_error = f"cannot refresh the lock {holder_file}: {oserror_reason(e)}{outage_note()}"
+                return
+            if generation is None:
+                current, _ = self._read_holder_versioned(holder_file)
+                self.lock_error = (f"{self.path}: the lock was taken over by another trainer"
+                                   f" ({self._describe(current)}); this run stops so that one writer remains")
+                return
+            self._lock, self._generation = holder, generation
+
+    def check_lock(self) -> None:
+        """Raises if the lock's refresh failed: the run must not go on writing without holding it."""
+        if self.lock_error is not None:
+            raise StorageError(self.lock_error)
 
     @staticmethod
     def _died_here(holder: dict) -> bool:
         return holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) \
             and not _pid_alive(holder["pid"])
+
+    @staticmethod
+    def _describe(h: dict) -> str:
+        try:
+            return f"host {h['host']}, pid {h['pid']}, started {h['started']}"
+        except (KeyError, TypeError):
+            return "holder unknown"
 
     def _in_use(self, holder_file: epath.Path) -> StorageError:
         hint = f"; if it is dead, delete {holder_file}" if self.remote else ""
@@ -331,20 +550,23 @@ class RunDir:
 
     @classmethod
     def _holder(cls, holder_file: epath.Path) -> str:
-        h = cls._read_holder(holder_file)
-        try:
-            return f"host {h['host']}, pid {h['pid']}, started {h['started']}"
-        except (KeyError, TypeError):
-            return "holder unknown"
+        return cls._describe(cls._read_holder(holder_file))
 
     def unlock(self) -> None:
         if self._lock is None:
             return
         holder_file = self.path / HOLDER
         if self.remote:
-            with contextlib.suppress(*_storage_exceptions()):
-                if self._read_holder(holder_file) == self._lock:  # never another trainer's lock
-                    holder_file.unlink()
+            self._stop_refresh.set()
+            self._refresher.join(timeout=5)  # a refresh in flight would move the generation under the delete
+            with contextlib.suppress(*storage_exceptions()), without_retries():
+                current, generation = self._read_holder_versioned(holder_file)
+                if current.get("token") == self._lock.get("token"):  # never another trainer's lock
+                    fs, key = _filesystem(holder_file)
+                    bucket, name = key.split("/", 1)
+                    # conditioned too: a takeover between the read and the delete is not undone
+                    fs.call("DELETE", "b/{}/o/{}", bucket, name, ifGenerationMatch=str(generation))
+                    fs.invalidate_cache(key)
         else:
             with contextlib.suppress(OSError):
                 holder_file.unlink()
@@ -380,7 +602,8 @@ class RunDir:
 
     # ---- metrics ---------------------------------------------------------------------------------
 
-    def open_metrics(self, restored_step: int, rollbacks: int = 0) -> tuple[list[dict], AppendLog]:
+    def open_metrics(self, restored_step: int, rollbacks: int = 0,
+                     flush_every: float = 30.0) -> tuple[list[dict], AppendLog]:
         """(records up to the restored step, metrics.jsonl opened for appending).
 
         A resumed run redoes the steps after its checkpoint, so their records are dropped, and so is everything
@@ -394,7 +617,23 @@ class RunDir:
         if path.exists():
             atomic_write(path, "".join(json.dumps(r) + "\n" for r in history))
         with storage_errors("write", path):
-            return history, AppendLog(path)
+            return history, AppendLog(path, flush_every)
+
+    def read_events(self) -> list[dict]:
+        """events.jsonl's records (trainer/goodput.py): every attempt's, never cut back by a resume."""
+        return self._read_jsonl(self.path / "events.jsonl", repair=True)
+
+    def open_events(self, flush_every: float = 30.0) -> AppendLog:
+        """events.jsonl opened for appending; a torn last line (a kill during its write) is dropped from the
+        file first, as from metrics.jsonl."""
+        path = self.path / "events.jsonl"
+        with storage_errors("read", path):
+            lines = path.read_text().splitlines() if path.exists() else []
+        records = self.read_events()
+        if len(records) < len(lines):
+            atomic_write(path, "".join(json.dumps(r) + "\n" for r in records))
+        with storage_errors("write", path):
+            return AppendLog(path, flush_every)
 
     def _read_jsonl(self, path: epath.Path, *, repair: bool) -> list[dict]:
         with storage_errors("read", path):

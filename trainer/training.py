@@ -4,28 +4,35 @@ the final sample and the outputs. `train.py` parses the configuration and calls 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import time
 
 import jax
 import numpy as np
 
-from configs.base import Config
+from configs.base import Config, OptimConfig
 from data.loader import Corpus, corpus_identity, make_dataset, to_global
-from errors import UserError
+from errors import ConfigError, UserError
+from gpt2.config import check_compute_dtype
 from gpt2.sharded_init import param_report, visualize_param
+from trainer import goodput
 from trainer.checkpoint import Checkpoints
+from trainer.compile_cache import use_compile_cache
 from trainer.corpus import resolve_corpus, train_loader_config
 from trainer.evaluation import prompt_that_fits, sample
 from trainer.faults import Preemption
+from trainer.goodput import OrbaxSaveTimes, open_timeline
 from trainer.library_logs import library_logs_to
 from trainer.loop import Loop
 from trainer.mesh import build_mesh
 from trainer.metrics import MetricsLogger, resolve_wandb_mode
-from trainer.processes import initialize_distributed, is_process_0, on_process_0, say
+from trainer.optim import parameters_per_optimizer
+from trainer.processes import failing_together, initialize_distributed, is_process_0, on_process_0, say
 from trainer.program import TrainProgram
 from trainer.resume import Restored, restore
-from trainer.run_dir import RunDir
+from trainer.run_dir import RunDir, retry_storage_for
 
 
 @dataclasses.dataclass
@@ -40,6 +47,7 @@ class TrainingRun:
     train_iter: object  # Grain iterator of [B_local, T+1] batches
     logger: MetricsLogger | None = None
     meta: dict = dataclasses.field(default_factory=dict)  # saved with every checkpoint
+    timeline: goodput.Timeline = dataclasses.field(default_factory=goodput.Timeline)  # where the time goes
 
     def next_batches(self, n: int) -> tuple[jax.Array, np.ndarray]:
         """The next n batches as one global [K, B, T+1] array (zero-padded to K) and the [K] active mask."""
@@ -51,36 +59,66 @@ class TrainingRun:
 
 def train(cfg: Config) -> int:
     """Trains (or resumes) the run `cfg` describes; 0 when it finished, stopped as asked or was preempted."""
+    entered = time.time()
     check_sample_prompt(cfg)
+    check_eval_tasks(cfg)
     initialize_distributed(cfg.distributed)
+    joined = time.time()
+    with failing_together():  # from here on, one process's error ends every process of the job
+        return train_in_job(cfg, entered, joined)
+
+
+def train_in_job(cfg: Config, entered: float, joined: float) -> int:
+    check_compute_dtype(cfg.model, jax.default_backend())  # the backend is known once the job has joined
     mesh = build_mesh(cfg)
     corpus = resolve_corpus(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
     run_dir = RunDir(cfg.run_dir)
-    take_run_dir(run_dir)  # the first write to the run directory
+    if run_dir.remote:
+        retry_storage_for(cfg.storage.retry_seconds)
+    take_run_dir(run_dir, cfg.storage.lock_refresh_seconds)  # the first write to the run directory
+    timeline = goodput.Timeline()
     try:
+        timeline = open_timeline(run_dir, entered, joined, cfg.storage.metrics_every)
+        use_compile_cache(cfg.train.compile_cache, run_dir, cfg.train.compile_cache_gb)
         program = TrainProgram.build(cfg, mesh)
-        run = TrainingRun(cfg, program, run_dir, Checkpoints(run_dir.path, cfg.checkpoint), corpus,
-                          iter(make_dataset(corpus.files("train"), cfg.model.vocab_size, train_loader_config(cfg))))
+        ckpt = Checkpoints(run_dir.path, cfg.checkpoint, save_statistics=OrbaxSaveTimes(timeline))
+        run = TrainingRun(cfg, program, run_dir, ckpt, corpus,
+                          iter(make_dataset(corpus.files("train"), cfg.model.vocab_size, train_loader_config(cfg))),
+                          timeline=timeline)
+        timeline.interval("startup", joined)
         with jax.set_mesh(mesh), library_logs_to(run_dir / "logs"):
             train_run(run)
         return 0
+    except BaseException:
+        with contextlib.suppress(Exception):  # the error being raised is the one to report
+            timeline.end("failed")
+        raise
     finally:
         run_dir.unlock()
 
 
 def train_run(run: TrainingRun) -> None:
-    restored = restore(run)
+    with run.timeline.measure("restore"):
+        restored = restore(run)
+    run.timeline.restored(restored.step)
     if nothing_to_do(run, restored):
         run.ckpt.close()
+        run.timeline.end("finished")
         return
     wandb_mode = restored.meta.get("wandb_mode") or resolve_wandb_mode(run.cfg.log.wandb)
     start_up(run, restored, wandb_mode)
+    run.timeline.commit()  # the run goes ahead: this attempt's record goes to events.jsonl
     try:
         with Preemption() as preemption:
             state = Loop(run, restored.state, preemption).run_to_stop()
-        if int(state["step"]) >= run.cfg.train.steps and run.cfg.train.sample_tokens:
-            say(sample_text(run.cfg, run.program, state))  # every process: the parameters may span them all
-        run.logger.plot()
+        finished = int(state["step"]) >= run.cfg.train.steps
+        if finished and run.cfg.train.sample_tokens:
+            with run.timeline.measure("sample"):
+                say(sample_text(run.cfg, run.program, state))  # every process: the parameters may span them all
+        with run.timeline.measure("finish"):
+            run.logger.plot()
+        run.timeline.end("preempted" if preemption.signal_name else "finished" if finished else "stopped")
+        report_goodput(run)
     except BaseException:
         run.logger.close(quietly=True)  # the error being raised is the one to report
         raise
@@ -88,6 +126,16 @@ def train_run(run: TrainingRun) -> None:
     done = outputs(run, wandb_mode)
     run.ckpt.close()
     say(done)
+
+
+def report_goodput(run: TrainingRun) -> None:
+    """Where the run's time went, over all its attempts so far: on the console and in wandb's summary."""
+    if not is_process_0():
+        return
+    result = goodput.report(run.run_dir.read_events())
+    print(result.text())
+    if run.logger.wandb is not None:
+        run.logger.wandb.summary.update(result.summary())
 
 
 def nothing_to_do(run: TrainingRun, restored: Restored) -> bool:
@@ -132,11 +180,20 @@ def summary(run: TrainingRun, start: int, wandb_mode: str) -> str:
         f" × tensor {mesh.shape['tensor']}, rules {cfg.mesh.rules} (~{per_device:,.1f} MiB of parameters per device)",
         f"data     {run.corpus.directory}: {meta.get('train_tokens', 0):,} train / {meta.get('val_tokens', 0):,}"
         " val tokens",
+        optimizer_line(cfg.optim, run.program.abstract_params),
         f"steps    {t.steps:,} steps of {t.batch_size} × {t.seq_len} = {t.batch_size * t.seq_len:,} tokens,"
         f" {t.steps_per_call} per call; eval every {t.eval_every or t.steps}, checkpoint every"
         f" {cfg.checkpoint.every}",
         f"logs     metrics.jsonl, loss.png, logs/; wandb {wandb_mode}",
     ])
+
+
+def optimizer_line(o: OptimConfig, params) -> str:
+    counts = parameters_per_optimizer(o, params)
+    if o.name == "muon":
+        return (f"optim    muon (lr {o.muon_lr:g}) on {counts['muon']:,} parameters (attention and MLP matrices),"
+                f" adamw (lr {o.lr:g}) on {counts['adamw']:,} (embeddings and tied head, norms, biases)")
+    return f"optim    adamw (lr {o.lr:g}) on all {counts['adamw']:,} parameters"
 
 
 def outputs(run: TrainingRun, wandb_mode: str) -> str:
@@ -149,13 +206,13 @@ def outputs(run: TrainingRun, wandb_mode: str) -> str:
     return f"outputs: {where}"
 
 
-def take_run_dir(run_dir: RunDir) -> None:
+def take_run_dir(run_dir: RunDir, refresh_every: float = 60.0) -> None:
     """Process 0 takes the run directory's lock for the whole job (all processes of a job are one writer) and
     checks that checkpoints/ is writable (Orbax would otherwise stall for minutes before failing); if either
     fails, every process stops."""
 
     def take() -> None:
-        run_dir.lock()
+        run_dir.lock(refresh_every)
         run_dir.check_writable("checkpoints")
 
     try:
@@ -170,10 +227,22 @@ def check_sample_prompt(cfg: Config) -> None:
         sample_prompt(cfg)
 
 
+def check_eval_tasks(cfg: Config) -> None:
+    """train.eval_tasks: lm-eval installed, every task known and its documents loaded, before any work."""
+    t = cfg.train
+    if t.eval_tasks is None:
+        return
+    try:
+        from trainer.lm_eval_backend import check_tasks_load
+    except ImportError:
+        raise ConfigError("train.eval_tasks needs lm-evaluation-harness: pip install -e '.[eval]'") from None
+    check_tasks_load(t.eval_tasks, t.include_path, ("train.eval_tasks", "train.include_path"))
+
+
 def sample_prompt(cfg: Config) -> list[int]:
-    t, context = cfg.train, cfg.model.block_size
-    return prompt_that_fits(t.sample_prompt, t.sample_tokens, context, prompt_flag="train.sample_prompt",
-                            tokens_flag="train.sample_tokens", context=f"model.block_size={context}")
+    context = cfg.model.block_size
+    return prompt_that_fits(cfg.train.sample_prompt, context, prompt_flag="train.sample_prompt",
+                            context=f"model.block_size={context}")
 
 
 def sample_text(cfg: Config, program: TrainProgram, state) -> str:

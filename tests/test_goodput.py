@@ -1,0 +1,92 @@
+"""Goodput: the report's accounting on hand-written event records (lost steps, restart gaps, crashes inferred,
+compilations carved out of the intervals they fall in), and a restart that loads its train call from the
+persistent compilation cache. The real faults' figures are checked where the faults are made
+(tests/test_faults.py, tests/test_numerical_safety.py)."""
+
+import json
+
+import pytest
+
+from conftest import SMALL, read_jsonl, run_cli
+from trainer import goodput
+
+
+def start(attempt, time):
+    return {"event": "attempt_start", "attempt": attempt, "time": time}
+
+
+def call(attempt, first, steps, seconds, end, skipped=0):
+    return {"event": "train_call", "attempt": attempt, "first": first, "steps": steps, "seconds": seconds,
+            "end": end, "skipped": skipped}
+
+
+def interval(attempt, kind, start, end, **fields):
+    return {"event": "interval", "attempt": attempt, "kind": kind, "start": start, "end": end, **fields}
+
+
+def test_a_crash_loses_exactly_the_steps_after_the_checkpoint_restored():
+    records = [
+        start(1, 0.0), interval(1, "startup", 0.0, 10.0), {"event": "restored", "attempt": 1, "step": 0},
+        call(1, 0, 2, 4.0, 14.0), call(1, 2, 2, 4.0, 18.0), interval(1, "checkpoint", 18.0, 19.0),
+        call(1, 4, 2, 4.0, 23.0, skipped=1),  # killed after step 6, the newest checkpoint at 4
+        start(2, 33.0), interval(2, "startup", 33.0, 40.0), {"event": "restored", "attempt": 2, "step": 4},
+        call(2, 4, 2, 4.0, 44.0), {"event": "attempt_end", "attempt": 2, "time": 45.0, "how": "finished"},
+    ]
+    r = goodput.report(records)
+    assert [a["how"] for a in r.attempts] == ["crashed", "finished"]
+    assert (r.lost_steps, r.good_steps, r.skipped_steps) == (2, 6, 0)
+    assert r.wall == 45.0
+    assert r.seconds["lost"] == 4.0 and r.seconds["train"] == 12.0
+    assert r.seconds["restart_gap"] == 33.0 - 23.0  # from the last record of the dead attempt to the next start
+    assert r.seconds["startup"] == 17.0 and r.seconds["checkpoint"] == 1.0
+    assert r.unaccounted == pytest.approx(45.0 - 4 - 12 - 10 - 17 - 1)
+
+
+def test_a_rollback_loses_the_abandoned_steps_and_skipped_steps_are_not_goodput():
+    records = [
+        start(1, 0.0), call(1, 0, 4, 8.0, 8.0), call(1, 4, 4, 8.0, 16.0, skipped=2),
+        {"event": "rolled_back", "attempt": 1, "step": 4}, interval(1, "rollback", 16.0, 17.0),
+        call(1, 4, 4, 8.0, 25.0, skipped=1), {"event": "attempt_end", "attempt": 1, "time": 25.0, "how": "finished"},
+    ]
+    r = goodput.report(records)
+    assert (r.lost_steps, r.good_steps, r.skipped_steps) == (4, 7, 1)
+    assert r.seconds["lost"] == 8.0 and r.seconds["skipped"] == 2.0 and r.seconds["train"] == 14.0
+    assert r.goodput == pytest.approx(14.0 / 25.0)
+
+
+def test_compilations_are_carved_out_of_the_intervals_they_fall_in():
+    records = [
+        start(1, 0.0), interval(1, "eval", 10.0, 20.0),
+        interval(1, "compile", 12.0, 15.0, programs={"a": 1}), interval(1, "compile", 14.0, 18.0, programs={"b": 1}),
+        {"event": "attempt_end", "attempt": 1, "time": 20.0, "how": "stopped"},
+    ]
+    r = goodput.report(records)
+    assert r.seconds["compile"] == 6.0  # the union of overlapping spans, counted once
+    assert r.seconds["eval"] == 4.0
+
+
+@pytest.mark.slow
+def test_a_restart_loads_its_train_call_from_the_runs_compilation_cache(tmp_path, shakespeare):
+    """The default: no JAX_COMPILATION_CACHE_DIR, so the cache is the run directory's compile_cache/."""
+    run_dir = tmp_path / "run"
+    flags = ["--run_dir", str(run_dir), f"--data.cache_dir={shakespeare}", *SMALL, "--train.steps=4",
+             "--checkpoint.every=2", "--train.eval_every=0"]
+    for extra in (["--train.stop_after=2"], []):
+        r = run_cli("train.py", *flags, *extra, env={"JAX_COMPILATION_CACHE_DIR": ""})
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert (run_dir / "compile_cache").is_dir()
+    train_call = [r for r in read_jsonl(run_dir / "events.jsonl")
+                  if r["event"] == "interval" and r["kind"] == "compile" and "jit(call)" in r["programs"]]
+    assert [(c["attempt"], c["cache_hits"].get("jit(call)", 0)) for c in train_call] == [(1, 0), (2, 1)]
+    assert "goodput " in r.stdout and "loaded from the persistent cache" in r.stdout
+
+
+def test_the_report_cli_reads_a_run_directory(tmp_path, capsys):
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        start(1, 0.0), call(1, 0, 2, 5.0, 10.0), {"event": "attempt_end", "attempt": 1, "time": 10.0,
+                                                   "how": "finished"}]))
+    assert goodput.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("goodput  50.0% of 0m10.0s wall time over 1 attempt(s) (1: finished)")
+    with pytest.raises(SystemExit):
+        goodput.main([str(tmp_path / "missing")])
+    assert "no events.jsonl" in capsys.readouterr().err

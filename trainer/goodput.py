@@ -1,0 +1,363 @@
+"""Goodput: where a run's wall-clock time went, across every attempt (a start, a preemption, a crash, a restart).
+
+    python -m trainer.goodput runs/shakespeare_cpu        # the report of any run directory, any time
+
+Process 0 appends one record per event to `<run_dir>/events.jsonl`, which nothing truncates: an attempt's start
+(the process's own start time) and end (finished, preempted, stopped, failed; a start without an end was a
+crash), each interval of work (start-up, distributed init, restore, data wait, evaluation, checkpoint saves
+as Orbax measures their blocking part, sampling, rollback, finishing), each train call with its step range and
+its time on the critical path, and each compilation from JAX's own monitoring events (with whether the
+persistent cache answered it).
+
+The report replays them: a train call's steps are lost when a later attempt restores, or a rollback returns to,
+a checkpoint before them; goodput is the time of the train calls whose steps survive into the final trajectory
+(less the steps the spike guard skipped) over the wall time, from the first attempt's start to the last record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import sys
+import time
+
+from errors import one_line_errors
+
+EVENTS = "events.jsonl"
+
+# the badput categories, in the order the report lists them
+INTERVALS = ("startup", "distributed_init", "restore", "data", "eval", "checkpoint", "sample", "rollback", "finish")
+
+
+def process_start_time() -> float:
+    """When this process started (Unix time): the attempt's wall time includes Python's and JAX's imports."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except ImportError:
+        return _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
+class Timeline:
+    """Process 0's record of one attempt (a no-op elsewhere). Records are kept in memory until `commit` (once the
+    run has restored and written its config: a start refused for bad input leaves the run directory as it
+    was), then appended to events.jsonl as they happen."""
+
+    def __init__(self, run_dir=None, attempt: int = 1, flush_every: float = 30.0):
+        self.run_dir, self.attempt, self.flush_every = run_dir, attempt, flush_every  # run_dir None: record nothing
+        self.log = None  # events.jsonl's AppendLog, from `commit` on
+        self.pending: list[str] = []
+        self.started = process_start_time()
+        self._compiling = float("inf")  # the start of the compilation under way (its tracing)
+        self._last_span_end = float("-inf")
+        self._compiles: dict | None = None  # compilations in a row, recorded as one (see _compiled)
+        self._cache_hit = False
+
+    def record(self, event: str, **fields) -> None:
+        if self.run_dir is None:
+            return
+        if self._compiles is not None:  # the compilations before this record, as one
+            compiles, self._compiles = self._compiles, None
+            self.record("interval", kind="compile", **compiles)
+        self.pending.append(json.dumps({"event": event, "attempt": self.attempt, **fields}) + "\n")
+        if self.log is not None:
+            self._write()
+
+    def commit(self) -> None:
+        """From now on records go to events.jsonl (the ones kept so far first)."""
+        if self.run_dir is not None and self.log is None:
+            self.log = self.run_dir.open_events(self.flush_every)
+            self._write()
+
+    def _write(self) -> None:
+        from trainer.run_dir import storage_errors
+
+        with storage_errors("write", self.log.path):
+            for line in self.pending:
+                self.log.write(line)
+            self.pending.clear()
+            self.log.flush()
+
+    def begin(self, **fields) -> None:
+        self.record("attempt_start", time=self.started, host=socket.gethostname(), pid=os.getpid(), **fields)
+
+    def end(self, how: str) -> None:
+        try:
+            self.record("attempt_end", time=time.time(), how=how)
+        finally:  # the file is closed even when the disk is full (the record then fails, said elsewhere)
+            log, self.run_dir, self.log = self.log, None, None
+            if log is not None:
+                from trainer.run_dir import storage_errors
+
+                with storage_errors("write", log.path):
+                    log.close()
+
+    def interval(self, kind: str, start: float, end: float | None = None, **fields) -> None:
+        self.record("interval", kind=kind, start=start, end=time.time() if end is None else end, **fields)
+
+    def measure(self, kind: str, **fields) -> "_Measured":
+        return _Measured(self, kind, fields)
+
+    def train_call(self, first_step: int, steps: int, seconds: float, skipped: int = 0) -> None:
+        self.record("train_call", first=first_step, steps=steps, seconds=seconds, skipped=skipped, end=time.time())
+
+    def restored(self, step: int) -> None:
+        self.record("restored", step=step, time=time.time())
+
+    def rolled_back(self, step: int) -> None:
+        self.record("rolled_back", step=step, time=time.time())
+
+    # JAX's monitoring events (registered once per process; see `listen_to_jax`)
+
+    def on_jax_event(self, event: str, **kwargs) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            self._cache_hit = True
+
+    def on_jax_span(self, event: str, start: float, end: float, **kwargs) -> None:
+        """One record per compiled program, from its tracing's start to its backend compile's end (a trace
+        that no compile follows, e.g. jax.eval_shape's, stays in the interval it happened in)."""
+        stage = _COMPILE_STAGES.get(event)
+        if stage is None:
+            return
+        if start > self._last_span_end + 0.5:  # not the next stage of the same compilation
+            self._compiling = start
+        self._compiling, self._last_span_end = min(start, self._compiling), end
+        if stage == "backend":
+            self._compiled(self._compiling, end, str(kwargs.get("fun_name", "")))
+            self._compiling, self._cache_hit = float("inf"), False
+
+    def _compiled(self, start: float, end: float, fun: str) -> None:
+        """Adds a compilation to the record being gathered: compilations in a row (a checkpoint save compiles
+        dozens of tiny slicing programs) make one record, with how many of each program and cache hits."""
+        group = self._compiles
+        if group is None or start - group["end"] > 0.5:
+            if group is not None:
+                self._compiles = None
+                self.record("interval", kind="compile", **group)
+            group = self._compiles = {"start": start, "end": end, "programs": {}, "cache_hits": {}}
+        group["end"] = end
+        group["programs"][fun] = group["programs"].get(fun, 0) + 1
+        if self._cache_hit:
+            group["cache_hits"][fun] = group["cache_hits"].get(fun, 0) + 1
+
+
+def open_timeline(run_dir, entered: float, joined: float, flush_every: float = 30.0) -> Timeline:
+    """This attempt's timeline: on process 0 for the run's events.jsonl (numbered after the attempts already
+    there), with the start-up before `entered` (imports) and the distributed init until `joined`;
+    elsewhere a timeline that records nothing."""
+    from trainer.processes import is_process_0
+
+    if not is_process_0():
+        return Timeline()
+    records = run_dir.read_events()
+    timeline = Timeline(run_dir, attempt=1 + sum(r.get("event") == "attempt_start" for r in records),
+                        flush_every=flush_every)
+    timeline.begin()
+    timeline.interval("startup", timeline.started, entered)
+    timeline.interval("distributed_init", entered, joined)
+    listen_to_jax(timeline)
+    return timeline
+
+
+class _Measured:
+    def __init__(self, timeline: Timeline, kind: str, fields: dict):
+        self.timeline, self.kind, self.fields = timeline, kind, fields
+
+    def __enter__(self):
+        self.start = time.time()
+        return self
+
+    def __exit__(self, *exc):
+        self.timeline.interval(self.kind, self.start, **self.fields)
+
+
+_COMPILE_STAGES = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+                   "/jax/core/compile/backend_compile_duration": "backend"}
+_current: list[Timeline] = []  # the timeline JAX's events go to (listeners cannot be removed: registered once)
+
+
+def listen_to_jax(timeline: Timeline) -> None:
+    """Sends JAX's compile events to `timeline` from now on."""
+    if not _current:
+        import jax
+
+        jax.monitoring.register_event_listener(lambda event, **kw: _current[-1].on_jax_event(event, **kw))
+        jax.monitoring.register_event_time_span_listener(
+            lambda event, start, end, **kw: _current[-1].on_jax_span(event, start, end, **kw))
+        _current.append(timeline)
+    _current[-1] = timeline
+
+
+class OrbaxSaveTimes:
+    """An Orbax logger: records each save's blocking time from Orbax's own statistics
+    (`checkpoint_manager_blocking_duration_secs`) on the timeline."""
+
+    def __init__(self, timeline: Timeline):
+        self.timeline = timeline
+
+    def log_entry(self, entry, *args, **kwargs) -> None:
+        if isinstance(entry, dict) and entry.get("event_type") == "save":
+            start = entry.get("checkpoint_manager_blocking_start_time")
+            seconds = entry.get("checkpoint_manager_blocking_duration_secs")
+            if start is not None and seconds is not None:
+                self.timeline.interval("checkpoint", start, start + seconds, step=entry.get("step"))
+
+
+# ---- the report --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Report:
+    wall: float = 0.0  # first attempt's start to the last record, seconds
+    attempts: list[dict] = dataclasses.field(default_factory=list)  # how each ended
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # by category
+    good_steps: int = 0
+    lost_steps: int = 0
+    skipped_steps: int = 0
+    compiles: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def goodput(self) -> float:
+        return self.seconds.get("train", 0.0) / self.wall if self.wall else 0.0
+
+    @property
+    def unaccounted(self) -> float:
+        return self.wall - sum(self.seconds.values())
+
+    def text(self) -> str:
+        ends = ", ".join(f"{a['attempt']}: {a['how']}" for a in self.attempts)
+        lines = [f"goodput  {self.goodput:.1%} of {_duration(self.wall)} wall time over {len(self.attempts)}"
+                 f" attempt(s) ({ends}); {self.good_steps:,} steps kept, {self.lost_steps:,} lost,"
+                 f" {self.skipped_steps:,} skipped"]
+        for name, value in sorted(self.seconds.items(), key=lambda kv: -kv[1]):
+            if value > 0:
+                lines.append(f"  {name:<17}{_duration(value):>10}  {value / self.wall:6.1%}")
+        lines.append(f"  {'unaccounted':<17}{_duration(self.unaccounted):>10}  {self.unaccounted / self.wall:6.1%}"
+                     "  (host work between the recorded intervals)")
+        programs = sum(sum(c.get("programs", {}).values()) for c in self.compiles)
+        hits = sum(sum(c.get("cache_hits", {}).values()) for c in self.compiles)
+        if programs:
+            lines.append(f"  compiles: {programs} programs, {hits} loaded from the persistent cache")
+        return "\n".join(lines)
+
+    def summary(self) -> dict[str, float]:
+        """Flat figures for wandb's run summary."""
+        figures = {"goodput/goodput": self.goodput, "goodput/wall_s": self.wall,
+                   "goodput/lost_steps": self.lost_steps, "goodput/attempts": len(self.attempts)}
+        figures.update({f"goodput/{name}_s": value for name, value in self.seconds.items()})
+        return figures
+
+
+def _duration(seconds: float) -> str:
+    h, rest = divmod(max(seconds, 0.0), 3600)
+    return f"{int(h)}h{int(rest // 60):02d}m{rest % 60:04.1f}s" if h else f"{rest // 60:.0f}m{rest % 60:04.1f}s"
+
+
+def report(records: list[dict]) -> Report:
+    """Replays events.jsonl's records (in file order) into a Report."""
+    out, live = Report(), []  # live: train calls whose steps are still in the trajectory
+    seconds: dict[str, float] = {name: 0.0 for name in ("train", "lost", "skipped", "compile", "restart_gap",
+                                                        *INTERVALS)}
+    starts = [r for r in records if r["event"] == "attempt_start"]
+    if not starts:
+        return out
+    compiles = [r for r in records if r["event"] == "interval" and r["kind"] == "compile"]
+    last_end = starts[0]["time"]
+    for r in records:
+        if r["event"] == "attempt_start" and r["attempt"] > 1:
+            seconds["restart_gap"] += max(0.0, r["time"] - last_end)
+        elif r["event"] in ("restored", "rolled_back"):
+            out.lost_steps += _drop_after(live, r["step"], seconds)
+        elif r["event"] == "train_call":  # the first call's dispatch compiles: that is compile time
+            live.append({**r, "seconds": _outside({"start": r["end"] - r["seconds"], "end": r["end"]}, compiles)})
+        elif r["event"] == "interval" and r["kind"] != "compile":
+            seconds[r["kind"]] = seconds.get(r["kind"], 0.0) + _outside(r, compiles)
+        last_end = max(last_end, r.get("end", r.get("time", last_end)))
+    for call in live:
+        share = call["seconds"] * call["skipped"] / call["steps"]
+        seconds["skipped"] += share
+        seconds["train"] += call["seconds"] - share
+        out.good_steps += call["steps"] - call["skipped"]
+        out.skipped_steps += call["skipped"]
+    seconds["compile"] = _union(compiles)
+    out.wall = last_end - starts[0]["time"]
+    out.seconds = seconds
+    out.compiles = compiles
+    out.attempts = _attempts(records)
+    return out
+
+
+def _drop_after(live: list[dict], step: int, seconds: dict) -> int:
+    """Takes the steps after `step` out of the trajectory (a restore or rollback to it); returns how many."""
+    lost = 0
+    for call in list(live):
+        end = call["first"] + call["steps"]
+        if end <= step:
+            continue
+        gone = end - max(call["first"], step)
+        seconds["lost"] += call["seconds"] * gone / call["steps"]
+        lost += gone
+        if call["first"] >= step:
+            live.remove(call)
+        else:  # a call straddling the checkpoint (not one the loop makes): keep its surviving share
+            kept = call["steps"] - gone
+            call.update(seconds=call["seconds"] * kept / call["steps"], steps=kept,
+                        skipped=min(call["skipped"], kept))
+    return lost
+
+
+def _outside(interval: dict, compiles: list[dict]) -> float:
+    """An interval's seconds less the compilations inside it (counted once, as compile time)."""
+    start, end = interval["start"], interval["end"]
+    inside = [(max(start, c["start"]), min(end, c["end"])) for c in compiles if c["start"] < end and c["end"] > start]
+    return max(0.0, end - start - _union([{"start": a, "end": b} for a, b in inside]))
+
+
+def _union(spans: list[dict]) -> float:
+    """Seconds covered by the spans (counted once where they overlap)."""
+    total, reach = 0.0, float("-inf")
+    for s in sorted(spans, key=lambda s: s["start"]):
+        start, end = max(s["start"], reach), s["end"]
+        if end > start:
+            total += end - start
+        reach = max(reach, end)
+    return total
+
+
+def _attempts(records: list[dict]) -> list[dict]:
+    ended = {r["attempt"]: r["how"] for r in records if r["event"] == "attempt_end"}
+    return [{"attempt": r["attempt"], "how": ended.get(r["attempt"], "crashed")}
+            for r in records if r["event"] == "attempt_start"]
+
+
+def read_events(run_dir) -> list[dict]:
+    from trainer.run_dir import RunDir
+
+    return RunDir(run_dir).read_events()
+
+
+@one_line_errors
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.goodput", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", help="a run directory (local or gs://)")
+    parser.add_argument("--json", action="store_true", help="the figures as one JSON object")
+    args = parser.parse_args(argv)
+    result = report(read_events(args.run_dir))
+    if not result.attempts:
+        from errors import StorageError
+
+        raise StorageError(f"{args.run_dir}: no {EVENTS} (a run directory written by train.py records one)")
+    print(json.dumps({**result.summary(), "attempts": result.attempts}) if args.json else result.text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
