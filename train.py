@@ -18,6 +18,7 @@ from configs.cli import parse
 from errors import one_line_errors
 from trainer import init_from
 from trainer.malloc import keep_freed_memory
+from trainer.planner import DEFAULT_BUDGET_S
 from trainer.training import train
 
 
@@ -27,12 +28,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     name, argv = pop_option(argv, "--config")
     topology, argv = pop_option(argv, "--aot")
+    plan_topology, argv = pop_option(argv, "--plan")
+    budget, argv = pop_option(argv, "--plan_budget")
     cfg = parse(Config, argv, default=configs.load(name or configs.DEFAULT), prog="train.py", description=usage())
     cfg = init_from.resolve(cfg, argv)  # --init_from: the architecture of the HF checkpoint
     if topology:
         from trainer.aot import run_aot
 
         return run_aot(cfg, topology)
+    if plan_topology:
+        from trainer.planner import run_plan
+
+        return run_plan(name or configs.DEFAULT, cfg, plan_topology, budget)
     return train(cfg)
 
 
@@ -41,12 +48,16 @@ def usage() -> str:
             f"  --config NAME     the preset the other flags override: {', '.join(configs.PRESETS)}"
             f" (default {configs.DEFAULT})\n"
             "  --aot TOPOLOGY    compile the real train call for a TPU topology (v4, v5e, v5p, v6e; e.g. v5e:2x4)"
-            " and report its memory, instead of training (needs the `tpu` extra)\n")
+            " and report its memory and predicted step time, instead of training (needs the `tpu` extra)\n"
+            "  --plan TOPOLOGY   compile the preset's candidate layouts, micro-batches, remat policies, scan/unrolled"
+            " layers and attention kernels for a TPU topology and rank them by predicted step time\n"
+            f"  --plan_budget S   stop starting --plan's compiles after S seconds (default {DEFAULT_BUDGET_S:.0f})\n")
 
 
 def pop_option(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
     """Takes `flag VALUE` / `flag=VALUE` out of argv. `--config NAME` picks the preset the other flags
-    override; `--aot TOPOLOGY` compiles for a TPU topology instead of training."""
+    override; `--aot TOPOLOGY` compiles for a TPU topology instead of training, `--plan TOPOLOGY` searches
+    candidate settings for one."""
     argv = list(argv)
     for i, arg in enumerate(argv):
         if arg == flag and i + 1 < len(argv):

@@ -54,6 +54,12 @@ class OptimConfig:
       weight_decay: decoupled weight decay (finite, >= 0), applied to matrices and embeddings only (not biases
         or norms).
       grad_clip: clip the global gradient norm to this (finite, >= 0; 0 disables).
+      muon_lr: with name=muon, the Muon part's peak rate (finite, > 0), with the same warmup and cosine as lr.
+      muon_momentum: Muon's Nesterov momentum, in [0, 1) (modded-nanogpt: 0.95).
+      muon_weight_decay: decoupled weight decay of the Muon part (finite, >= 0), multiplied by its rate as in
+        optax.
+      muon_ns_steps: Newton–Schulz iterations (>= 1; modded-nanogpt: 5).
+      muon_ns_coeffs: the Newton–Schulz quintic's (a, b, c) (modded-nanogpt's by default).
     """
 
     lr: float = 6e-4
@@ -66,11 +72,11 @@ class OptimConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     name: Literal["adamw", "muon"] = "adamw"
-    muon_lr: float = 0.02  # peak rate of the Muon part (its own warmup and cosine, same shape as lr's)
-    muon_momentum: float = 0.95  # Muon's Nesterov momentum (modded-nanogpt: 0.95)
-    muon_weight_decay: float = 0.0  # decoupled, multiplied by muon_lr as in optax
-    muon_ns_steps: int = 5  # Newton–Schulz iterations (modded-nanogpt: 5)
-    muon_ns_coeffs: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)  # its quintic's (a, b, c)
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
+    muon_ns_steps: int = 5
+    muon_ns_coeffs: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ compiled program (trainer/step_time.py).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 
@@ -77,7 +78,7 @@ def topology_devices(topology: str):
     chip, spec = chip_of(topology)
     try:
         topo = topologies.get_topology_desc(
-            platform="tpu", topology_name=topology, chip_config_name="default",
+            platform="tpu", topology_name=topology, chip_config_name=spec.chip_config,
             chips_per_host_bounds=spec.host, num_slices=1,
         )
     except Exception as e:  # libtpu missing, or a name it does not know
@@ -87,21 +88,9 @@ def topology_devices(topology: str):
 
 
 def compile_for_topology(cfg: Config, topology: str) -> AotReport:
-    """Compiles the K-step train call for `topology`; allocates no arrays."""
+    """Compiles the K-step train call for `topology` and reports on it; allocates no arrays."""
     _, spec = chip_of(topology)
-    devices = topology_devices(topology)
-    mesh = build_mesh(cfg, devices=devices)
-    trainer = TrainProgram.build(cfg, mesh)
-    t = cfg.train
-    with jax.set_mesh(mesh):
-        lowered = trainer.lower()
-        try:
-            compiled = lowered.compile()
-        except jax.errors.JaxRuntimeError as e:
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            # the TPU compiler refuses programs that cannot fit: report its numbers as "does not fit"
-            raise ConfigError(f"--aot {topology}: does not fit in HBM: {_first_line(e)}") from None
+    compiled, mesh = compile_train_call(cfg, topology)
     mem = compiled.memory_analysis()
     # libtpu's `optimal_seconds` is a sum over the entry computation's ops (a loop body counted once) in which each
     # `ConcatBitcast` custom call counts -1 s: the op with which memory-space assignment's *sliced prefetch* glues
@@ -113,10 +102,10 @@ def compile_for_topology(cfg: Config, topology: str) -> AotReport:
     # 16 micro-batches of 12 layers each counted once: no step time either. Hence trainer/step_time.py.
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    tokens = t.steps_per_call * t.batch_size * t.seq_len
-    model_flops = cfg.model.flops_per_token(t.seq_len) * tokens / t.steps_per_call / len(devices)
+    t = cfg.train
+    model_flops = cfg.model.flops_per_token(t.seq_len) * t.batch_size * t.seq_len / mesh.size  # per step per chip
     return AotReport(
-        topology=topology, devices=len(devices),
+        topology=topology, devices=mesh.size,
         argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
         temp_bytes=mem.temp_size_in_bytes, alias_bytes=mem.alias_size_in_bytes, hbm_bytes=spec.hbm_bytes,
         flops_per_step=float(cost.get("flops", 0.0)),
@@ -124,6 +113,32 @@ def compile_for_topology(cfg: Config, topology: str) -> AotReport:
         optimal_seconds=float(cost.get("optimal_seconds", -1.0)), steps_per_call=t.steps_per_call,
         step_time=estimate(compiled, spec, mesh, steps_per_call=t.steps_per_call, model_flops_per_step=model_flops),
     )
+
+
+def compile_train_call(cfg: Config, topology: str):
+    """(the compiled train call, its mesh) for `topology`. A program the TPU compiler refuses because it cannot
+    fit raises `DoesNotFit` with the compiler's numbers."""
+    devices = topology_devices(topology)
+    mesh = build_mesh(cfg, devices=devices)
+    trainer = TrainProgram.build(cfg, mesh)
+    with jax.set_mesh(mesh):
+        lowered = trainer.lower()
+        try:
+            return lowered.compile(), mesh
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            # the TPU compiler refuses programs that cannot fit: report its numbers as "does not fit"
+            raise DoesNotFit(f"--aot {topology}: does not fit in HBM: {_first_line(e)}") from None
+
+
+class DoesNotFit(ConfigError):
+    """The TPU compiler's refusal of a program larger than HBM; `required_bytes` as it states them."""
+
+    @property
+    def required_bytes(self) -> float | None:
+        m = re.search(r"required for [^(]*\(([0-9.]+)([KMGT])\)", str(self))
+        return float(m.group(1)) * 2 ** (10 * " KMGT".index(m.group(2))) if m else None
 
 
 def _first_line(e: Exception) -> str:

@@ -1,5 +1,5 @@
-"""Library log records (absl / Python logging from Orbax, Grain, JAX, gcsfs) and exceptions raised where nothing
-can catch them go to the run directory's `logs/process_<i>.log`, not the console."""
+"""Library log records (absl / Python logging from Orbax, Grain, JAX, gcsfs), their warnings and exceptions raised
+where nothing can catch them go to the run directory's `logs/process_<i>.log`, not the console."""
 
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ def library_logs_to(directory) -> Iterator[None]:
     absl_handler.setLevel(logging.CRITICAL + 1)  # absl's own stderr handler
     logging.raiseExceptions = False  # a full disk must not print "--- Logging error ---" blocks
     sys.unraisablehook = _unraisable_to_log
+    logging.captureWarnings(True)  # libraries' warnings.warn (JAX's notes on its compilation cache) too
     try:
         yield
     except BaseException:
@@ -65,6 +66,7 @@ def library_logs_to(directory) -> Iterator[None]:
         absl_handler.setLevel(saved[1])
         logging.raiseExceptions = saved[2]
         sys.unraisablehook = saved[3]
+        logging.captureWarnings(False)
     finally:
         root.removeHandler(handler)
         with contextlib.suppress(OSError):

@@ -44,6 +44,9 @@ class Chip:
     hbm_bytes_per_s: float
     ici_link_bytes_per_s: float  # one ICI link, one direction
     host: tuple[int, int, int]  # chips per host, for jax.experimental.topologies
+    # libtpu's chip configuration: "megacore" makes a chip of two TensorCores (v4, v5p) one JAX device, as JAX
+    # requires for meshes on those chips (and as a v4-8's 4 chips run); "default" gives one device per core
+    chip_config: str = "default"
 
     @property
     def ring_bytes_per_s(self) -> float:
@@ -59,9 +62,9 @@ class Chip:
 # Peak bf16 FLOP/s: trainer/metrics.py's PEAK_FLOPS (the same pages).
 # HBM sizes stay in GiB as the AOT report has always compared them (the compiler reports 15.75 GiB usable on v5e).
 CHIPS = {
-    "v4": Chip("v4", PEAK_FLOPS["TPU v4"], 32 * 2**30, 1200e9, 50e9, (2, 2, 1)),
+    "v4": Chip("v4", PEAK_FLOPS["TPU v4"], 32 * 2**30, 1200e9, 50e9, (2, 2, 1), "megacore"),
     "v5e": Chip("v5e", PEAK_FLOPS["TPU v5e"], 16 * 2**30, 819e9, 50e9, (2, 2, 1)),
-    "v5p": Chip("v5p", PEAK_FLOPS["TPU v5p"], 95 * 2**30, 2765e9, 100e9, (2, 2, 1)),
+    "v5p": Chip("v5p", PEAK_FLOPS["TPU v5p"], 95 * 2**30, 2765e9, 100e9, (2, 2, 1), "megacore"),
     "v6e": Chip("v6e", PEAK_FLOPS["TPU v6e"], 32 * 2**30, 1638e9, 100e9, (2, 2, 1)),
 }
 
@@ -332,7 +335,8 @@ class Cost:
     hbm_bytes: float = 0.0
     compute_s: float = 0.0  # Σ FLOPs / peak
     hbm_s: float = 0.0  # Σ HBM bytes / HBM bandwidth
-    roofline_s: float = 0.0  # Σ over ops of max(compute, HBM)
+    roofline_s: float = 0.0  # Σ over ops of max(compute, HBM), async copies left out
+    memory_bound_s: float = 0.0  # the part of roofline_s spent in ops whose HBM time exceeds their compute time
     collectives: dict[tuple[str, str], Collective] = dataclasses.field(default_factory=dict)
     opaque_kernels: float = 0  # Pallas / Mosaic kernels (tpu_custom_call), whose FLOPs the HLO does not state
     unknown_loops: int = 0  # while loops whose trip count could not be read (counted once)
@@ -342,7 +346,7 @@ class Cost:
         return sum(c.seconds for c in self.collectives.values())
 
     def add(self, other: Cost, times: float = 1.0) -> None:
-        for f in ("flops", "hbm_bytes", "compute_s", "hbm_s", "roofline_s", "opaque_kernels"):
+        for f in ("flops", "hbm_bytes", "compute_s", "hbm_s", "roofline_s", "memory_bound_s", "opaque_kernels"):
             setattr(self, f, getattr(self, f) + times * getattr(other, f))
         self.unknown_loops += other.unknown_loops
         for key, c in other.collectives.items():
@@ -408,10 +412,16 @@ class _Walker:
         flops = self.flops(instr, comp)
         nbytes = self.hbm_bytes(instr, comp)
         compute, memory = flops / self.chip.peak_flops, nbytes / self.chip.hbm_bytes_per_s
-        return Cost(flops=flops, hbm_bytes=nbytes, compute_s=compute, hbm_s=memory, roofline_s=max(compute, memory),
-                    opaque_kernels=instr.attr("custom_call_target") == '"tpu_custom_call"')
+        kernel = instr.attr("custom_call_target") == '"tpu_custom_call"'
+        # an async copy (a prefetch into VMEM, an eviction) is a DMA beside the compute: it uses HBM bandwidth
+        # but does not hold up the ops in series
+        serial = 0.0 if instr.opcode in ASYNC_COPIES else max(compute, memory)
+        return Cost(flops=flops, hbm_bytes=nbytes, compute_s=compute, hbm_s=memory, roofline_s=serial,
+                    memory_bound_s=serial if memory > compute else 0.0, opaque_kernels=kernel and not flops)
 
     def flops(self, instr: Instr, comp: Computation) -> float:
+        if instr.opcode == "custom-call" and instr.attr("custom_call_target") == '"tpu_custom_call"':
+            return splash_flops(instr, comp)
         if instr.opcode == "convolution":
             return convolution_flops(instr, comp)
         if instr.opcode == "dot":
@@ -491,6 +501,32 @@ class _Walker:
         return cost
 
 
+ASYNC_COPIES = {"copy-start", "slice-start"}
+
+# The splash kernels (gpt2/splash.py) by name, and the [bq, K] × [K, bkv] matmuls each runs per computed block:
+# forward QKᵀ and PV; dq recomputes QKᵀ, then dP = dO Vᵀ and dQ = dS K; dkv recomputes QKᵀ and dP, then
+# dV = Pᵀ dO and dK = dSᵀ Q (splash_attention_kernel.py's _flash_attention_kernel, _flash_attention_dq_kernel,
+# _flash_attention_dkv_kernel).
+SPLASH_MATMULS = {"splash_mha_fwd": 2, "splash_mha_dq": 3, "splash_mha_dkv": 4}
+
+
+def splash_flops(instr: Instr, comp: Computation) -> float:
+    """A splash kernel's MXU FLOPs, from its operands: q [b, h, T, K] and its block mask [., nq, nkv], of whose
+    blocks a causal mask computes those on or below the diagonal (the kernel skips the rest). 0 for another
+    Pallas kernel (its FLOPs are not stated anywhere in the HLO)."""
+    matmuls = next((n for name, n in SPLASH_MATMULS.items() if instr.name.startswith(name)), None)
+    operands = [comp.instrs[o].arrays[0] for o in instr.operands if o in comp.instrs and comp.instrs[o].arrays]
+    q = next((a for a in operands if len(a.dims) == 4 and a.dtype in ("bf16", "f32", "f16")), None)
+    mask = operands[0] if operands and len(operands[0].dims) == 3 else None
+    if matmuls is None or q is None or mask is None:
+        return 0.0
+    b, h, T, K = q.dims
+    nq, nkv = mask.dims[1:]
+    bq, bkv = T // nq, T // nkv
+    blocks = sum(1 for i in range(nq) for j in range(nkv) if j * bkv <= i * bq + bq - 1)  # causal
+    return 2.0 * matmuls * b * h * blocks * bq * bkv * K
+
+
 def _called(instr: Instr, *keys: str) -> list[str]:
     names = []
     for key in keys:
@@ -551,9 +587,12 @@ class StepTimeEstimate:
     """Predicted time of one optimizer step on one chip, from the compiled program (not a measurement).
 
     lower_bound_s = max(compute_s, hbm_s, collective_s): three resources that can overlap but not go faster than
-    their peaks. So `predicted_mfu` is an upper bound. roofline_s (each op at the larger of its compute and HBM
-    times, one op after another) and no_overlap_s (that plus every collective in series) bracket what overlap the
-    schedule actually gets.
+    their peaks; `mfu_bound` is the MFU at that bound. roofline_s: each op the TensorCore runs at the larger of its
+    compute and HBM times, one op after another (async copies and collectives are DMAs beside them).
+    predicted_s = max(roofline_s, hbm_s, collective_s): the ops in series with the DMAs overlapped — what a
+    schedule that hides every collective and prefetch would take with each op at its roofline; `predicted_mfu`
+    is the MFU at that time, and what the planner ranks by. no_overlap_s (every collective in series too) is
+    the pessimistic end.
     """
 
     chip: Chip
@@ -561,11 +600,12 @@ class StepTimeEstimate:
     hbm_bytes: float  # per step: HBM bytes read + written
     compute_s: float  # flops / peak
     hbm_s: float  # hbm_bytes / HBM bandwidth
-    roofline_s: float  # Σ over ops of max(compute, HBM)
+    roofline_s: float  # Σ over ops of max(compute, HBM), async copies left out
     collectives: tuple[Collective, ...]  # per step, largest first
     model_flops: float | None = None  # per step per chip (6N + attention), for MFU
     opaque_kernels: float = 0
     unknown_loops: int = 0
+    memory_bound_s: float = 0.0  # the part of roofline_s in ops limited by HBM rather than the MXU
 
     @property
     def collective_s(self) -> float:
@@ -581,22 +621,31 @@ class StepTimeEstimate:
         return self.roofline_s + self.collective_s
 
     @property
+    def predicted_s(self) -> float:
+        return max(self.roofline_s, self.hbm_s, self.collective_s)
+
+    @property
     def predicted_mfu(self) -> float | None:
+        return self.model_flops / (self.predicted_s * self.chip.peak_flops) if self.model_flops else None
+
+    @property
+    def mfu_bound(self) -> float | None:
         return self.model_flops / (self.lower_bound_s * self.chip.peak_flops) if self.model_flops else None
 
     @property
     def bottleneck(self) -> str:
-        """What sets the lower bound: compute, memory (HBM), or the collectives, named by their largest kind and
-        mesh axis."""
-        parts = {"compute": self.compute_s, "memory (HBM)": self.hbm_s, "collectives": self.collective_s}
-        largest = max(parts, key=parts.get)
-        if largest == "collectives":
-            return f"collectives, mostly {self.collectives[0].kind} over {self.collectives[0].axis}"
-        return largest
+        """What sets the predicted time: the collectives (named by their largest kind and mesh axis), HBM
+        traffic, or the ops in series — "compute" when most of their time is in MXU-bound ops, else "memory"."""
+        if self.collectives and self.collective_s >= max(self.roofline_s, self.hbm_s):
+            return f"collectives: {self.collectives[0].kind} over {self.collectives[0].axis}"
+        if self.hbm_s > self.roofline_s:
+            return "memory (HBM)"
+        share = self.memory_bound_s / self.roofline_s if self.roofline_s else 0.0
+        return f"memory ({share:.0%} of op time)" if share > 0.5 else f"compute ({1 - share:.0%} of op time)"
 
     def row(self) -> dict[str, float | str | None]:
         """One line of a table ranking candidate configurations."""
-        return {"step_ms": self.lower_bound_s * 1e3, "mfu": self.predicted_mfu, "compute_ms": self.compute_s * 1e3,
+        return {"step_ms": self.predicted_s * 1e3, "mfu": self.predicted_mfu, "compute_ms": self.compute_s * 1e3,
                 "hbm_ms": self.hbm_s * 1e3, "collective_ms": self.collective_s * 1e3,
                 "ops_ms": self.roofline_s * 1e3, "no_overlap_ms": self.no_overlap_s * 1e3,
                 "bottleneck": self.bottleneck}
@@ -614,13 +663,16 @@ class StepTimeEstimate:
             f" GB/s, one link {chip.ici_link_bytes_per_s / 1e9:.0f} GB/s",
             *(f"    {c.row()}" for c in self.collectives),
             f"  lower bound {ms(self.lower_bound_s)}  max(compute, HBM, collectives)"
-            + (f" -> predicted MFU <= {mfu:.1%}" if mfu else "") + f"; bottleneck: {self.bottleneck}",
-            f"  op by op    {ms(self.roofline_s)}  each op at max(its compute, its HBM), one after another;"
+            + (f" -> MFU <= {self.mfu_bound:.1%}" if mfu else ""),
+            f"  op by op    {ms(self.roofline_s)}  each op at max(its compute, its HBM), one after another"
+            f" ({self.memory_bound_s / max(self.roofline_s, 1e-12):.0%} in HBM-bound ops);"
             f" {self.no_overlap_s * 1e3:.2f} ms with every collective in series",
+            f"  predicted   {ms(self.predicted_s)}  max(op by op, HBM, collectives)"
+            + (f" -> predicted MFU {mfu:.1%}" if mfu else "") + f"; bottleneck: {self.bottleneck}",
         ]
         if self.opaque_kernels:
-            lines.append(f"  not counted: the FLOPs inside {self.opaque_kernels:g} Pallas kernel calls (e.g. splash"
-                         " attention; their HBM traffic is)")
+            lines.append(f"  not counted: the FLOPs inside {self.opaque_kernels:g} Pallas kernel calls other than"
+                         " splash attention's (their HBM traffic is)")
         if self.unknown_loops:
             lines.append(f"  not counted: the repeats of {self.unknown_loops} loops of unknown trip count (run once)")
         return lines
@@ -654,4 +706,5 @@ def estimate_hlo(text: str, chip: Chip | str, mesh_shape: dict[str, int], *, ste
         chip=chip, flops=cost.flops / k, hbm_bytes=cost.hbm_bytes / k, compute_s=cost.compute_s / k,
         hbm_s=cost.hbm_s / k, roofline_s=cost.roofline_s / k, collectives=collectives,
         model_flops=model_flops_per_step, opaque_kernels=cost.opaque_kernels / k, unknown_loops=cost.unknown_loops,
+        memory_bound_s=cost.memory_bound_s / k,
     )

@@ -1,0 +1,134 @@
+"""The planner (trainer/planner.py): the search and its table on a stand-in compiler whose figures are known
+(milliseconds), the candidate axes for the presets' topologies, and — with libtpu — a real plan of a tiny model
+on v5e:2x2 in-process and once through `train.py --plan`."""
+
+import os
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold libtpu's lock file
+
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+
+import configs  # noqa: E402
+from conftest import run_cli  # noqa: E402
+from trainer import planner  # noqa: E402
+from trainer.planner import Outcome  # noqa: E402
+
+GiB = 2**30
+
+
+def stand_in(c, changes):
+    """A compiler with known figures: memory grows with rows per chip (dense attention doubles it, remat
+    shrinks it), time grows with micro-batches, remat, scanning and any layout but dp; tp fails to compile."""
+    if c.mesh.rules == "tp":
+        return Outcome(changes, False, None, None, None, "-", 0.0, "RuntimeError: no")
+    m, rows = c.model, c.train.batch_size // c.train.grad_accum // (c.mesh.data * c.mesh.fsdp)
+    memory = rows * (2 if m.attention == "xla" else 1) * {"none": 3, "dots": 2, "full": 0.5}[m.remat] * GiB
+    step = (0.3 + 0.01 * c.train.grad_accum + {"none": 0, "dots": 0.05, "full": 0.1}[m.remat]
+            + 0.02 * m.scan_layers + 0.05 * (c.mesh.rules != "dp"))
+    fits = memory <= 16 * GiB
+    return Outcome(changes, fits, memory, step if fits else None, 0.25 / step if fits else None, "compute", 0.0,
+                   None if fits else "does not fit")
+
+
+def start(**model):
+    """gpt2_124m as it was before the planner chose its settings: 16 micro-batches of 4 rows per chip on 8,
+    no remat, scanned, dp."""
+    cfg = planner.apply(configs.load("gpt2_124m"), [("train.grad_accum", 16), ("mesh.rules", "dp"),
+                                                    ("mesh.data", -1), ("mesh.fsdp", 1), ("mesh.tensor", 1)])
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **{"remat": "none", "scan_layers": True,
+                                                                         "attention": "auto", **model}))
+
+
+def test_the_search_changes_one_axis_at_a_time_and_ranks_every_candidate():
+    p = planner.plan("gpt2_124m", start(), "v5e:2x4", budget_s=60, compile=stand_in, show_progress=False)
+    # the preset: 16 micro-batches of 4 rows per chip (12 GiB), splash, dp, no remat, scanned: 480 ms. 8 rows
+    # do not fit (24 GiB) but do with remat=dots (16 GiB, 450 ms); unrolled: 430 ms. Dense attention, 16 rows,
+    # fsdp and fsdp_tp do not fit or are slower; tp fails
+    assert dict(p.best) == {"model.remat": "dots", "train.grad_accum": 8, "model.scan_layers": False}
+    ranked = p.ranked()
+    assert ranked[0].changes == p.best
+    assert [o.key() for o in ranked] == sorted(o.key() for o in ranked)
+    fitting = [o for o in ranked if o.fits]
+    assert ranked[:len(fitting)] == fitting  # fitting candidates first, fastest first
+    assert ranked[-1].error == "RuntimeError: no"  # a failed compile is a row, last
+    # coordinate descent, not a grid: 2 attention × 4 layouts × 7 micro-batches × 3 remat × 2 scan = 336
+    assert len(p.outcomes) <= 15
+    text = planner.text(p, 16 * GiB)
+    assert "coordinate descent" in text and "not a full grid" in text and "within the budget of 60 s" in text
+    assert text.count("\n") >= 2 * len(p.outcomes)  # every candidate a row, with its flags under it
+    assert "best: --model.remat=dots --model.scan_layers=false --train.grad_accum=8" in text
+    assert "does not fit" in text and "RuntimeError: no" in text
+
+
+def test_the_walk_along_micro_batches_moves_while_it_helps():
+    # with remat=full a micro-batch of 16 rows fits (8 GiB) and fewer micro-batches are faster
+    p = planner.plan("x", start(remat="full"), "v5e:2x4", budget_s=60, compile=stand_in, show_progress=False)
+    best = dict(p.best)
+    assert best["train.grad_accum"] == 2 and best["model.scan_layers"] is False  # 32 rows: 16 GiB, just fits
+    assert p.outcomes[p.best].memory_bytes == 16 * GiB
+
+
+def test_the_budget_stops_new_compiles_after_the_first():
+    p = planner.plan("gpt2_124m", start(), "v5e:2x4", budget_s=1e-9, compile=stand_in, show_progress=False)
+    assert list(p.outcomes) == [()] and p.stopped_by_budget
+    assert "stopped at the budget" in planner.text(p, 16 * GiB)
+
+
+def test_layouts_fit_each_topology_and_model():
+    def meshes(name, devices):
+        cfg = planner._resolved(configs.load(name), devices)
+        return [(o["mesh.rules"], o["mesh.data"], o["mesh.fsdp"], o["mesh.tensor"])
+                for o in planner.layouts(cfg, devices)]
+
+    assert meshes("gpt2_124m", 8) == [("dp", 8, 1, 1), ("fsdp", 1, 8, 1), ("tp", 4, 1, 2), ("fsdp_tp", 1, 4, 2)]
+    # 1600 wide, 25 heads: FSDP over 64 chips (the largest split of the width), no tensor parallelism
+    assert meshes("gpt2_xl_pod", 256) == [("dp", 256, 1, 1), ("fsdp", 4, 64, 1)]
+
+
+def test_micro_batch_options_follow_the_layout():
+    cfg = planner._resolved(start(), 8)  # 512 rows over 8 chips
+    assert [o["train.grad_accum"] for o in planner.micro_batches(cfg, 8)] == [64, 32, 16, 8, 4, 2, 1]
+
+
+# the tests below compile through libtpu (the `tpu` extra)
+TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=128", "--model.block_size=256",
+        "--model.pad_vocab_to=128", "--model.vocab_size=512", "--train.seq_len=256", "--train.batch_size=16",
+        "--train.grad_accum=2", "--mesh.data=-1", "--mesh.rules=dp"]
+
+
+def tiny_config():
+    from configs.base import Config
+    from configs.cli import parse
+
+    return parse(Config, TINY, default=configs.load("gpt2_124m"), prog="test")
+
+
+@pytest.mark.slow
+def test_a_real_plan_of_a_tiny_model_on_v5e_2x2():
+    pytest.importorskip("libtpu", reason="the `tpu` extra brings libtpu")
+    p = planner.plan("tiny", tiny_config(), "v5e:2x2", budget_s=1e-9, show_progress=False)  # the preset only
+    preset = p.outcomes[()]
+    assert preset.fits and preset.step_s > 0 and 0 < preset.mfu < 1 and preset.error is None
+    assert preset.memory_bytes < 16 * GiB
+    assert list(p.outcomes) == [()] and p.stopped_by_budget
+
+
+@pytest.mark.slow
+def test_plan_end_to_end_through_train_py():
+    r = run_cli("train.py", "--config", "gpt2_124m", "--plan", "v5e:2x2", "--plan_budget", "15", *TINY,
+                devices=1, env={"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert out.startswith("Plan for --config gpt2_124m on v5e:2x2:")
+    assert "(the preset as it is)" in out and "\nbest: " in out and "predicted" in out
+
+
+def test_a_bad_budget_is_one_line():
+    import train
+    from conftest import last_line, run_main
+
+    code, _, err = run_main(train.main, "--config", "gpt2_124m", "--plan", "v5e:2x4", "--plan_budget", "soon")
+    assert code == 2
+    assert last_line(err) == "error: --plan_budget must be a positive number of seconds, got 'soon'"

@@ -1,0 +1,360 @@
+"""Choosing a preset's layout for a TPU topology by compiling candidates: `train.py --config P --plan TOPOLOGY`.
+
+A candidate is the preset with a few fields changed along five axes — the attention kernel, the sharding layout
+(rules and mesh shape), the micro-batch (train.grad_accum), the remat policy and scanned vs unrolled layers.
+Each is compiled for the topology by trainer/aot.py, as `--aot` would, with train.steps_per_call=1 (the estimate
+is per optimizer step and the K-step scan only repeats it: a 10-step call of gpt2_124m gives the same FLOPs and
+collectives per step and HBM traffic within 0.6 %), and ranked by its predicted step time (trainer/step_time.py).
+
+A full grid would be hundreds of compiles of 30 s–10 min each. The search is coordinate descent instead, in one
+pass: starting from the preset, it tries the values of one axis with the others held, keeps the best, and moves
+to the next axis. Two prunings follow from how the step's cost is made: the micro-batch is walked only towards
+more rows while the candidate fits (fewer micro-batches never cost more FLOPs, collectives or overheads) and
+towards fewer rows only until one fits; a remat policy, which only adds recomputation, is tried on a fitting
+candidate without remat only together with the next larger micro-batch (the one thing it can buy). It stops
+starting compiles after `budget_s` seconds (a compile under way finishes). Every candidate is a row of the
+table: one that does not fit or fails to compile is ranked last, with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Iterable
+
+from configs.base import Config
+from errors import ConfigError
+
+# The axes in the order the descent visits them, those that change a step's largest costs first (per-micro-batch
+# gradient collectives and overheads, recomputation, the scan's saved activations), so that a search cut short
+# by its budget has spent its compiles where the gains are; the micro-batch again last, since remat, scan and
+# attention change the memory a micro-batch needs.
+AXES = ("micro_batch", "remat", "scan_layers", "layout", "attention", "micro_batch")
+REMAT = ("none", "dots", "full")
+DEFAULT_BUDGET_S = 1800.0  # --plan_budget: about 6 compiles of gpt2_124m on a busy 2-core machine
+MICRO_ROWS = (1, 2, 4, 8, 16, 32, 64)  # sequences per chip per micro-batch
+
+Changes = tuple[tuple[str, object], ...]  # (dotted config field, value), sorted: a candidate's identity
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What compiling one candidate gave: its figures, or why it has none."""
+
+    changes: Changes  # vs the preset
+    fits: bool
+    memory_bytes: float | None  # per chip: arguments + outputs + temporaries (the compiler's figure if refused)
+    step_s: float | None  # predicted step time (StepTimeEstimate.predicted_s)
+    mfu: float | None  # predicted MFU
+    bottleneck: str
+    compile_s: float
+    error: str | None = None  # "does not fit: ..." or the compile's first error line
+
+    def key(self) -> tuple:
+        """Sort key, best first: fitting and fast, then not fitting by memory (so the search moves towards
+        fitting), then failures."""
+        if self.fits and self.step_s is not None:
+            return (0, self.step_s)
+        if self.memory_bytes is not None:
+            return (1, self.memory_bytes)
+        return (2, 0.0)
+
+
+def flags(changes: Changes) -> str:
+    """The command-line flags of a candidate's changes."""
+    def value(v):
+        return str(v).lower() if isinstance(v, bool) else str(v)
+    return " ".join(f"--{k}={value(v)}" for k, v in changes) or "(the preset as it is)"
+
+
+def apply(cfg: Config, changes: Iterable[tuple[str, object]]) -> Config:
+    """`cfg` with dotted fields (`model.remat`, `mesh.data`, ...) replaced."""
+    for path, value in changes:
+        section, field = path.split(".")
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{field: value})})
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------- the axes
+
+def layouts(cfg: Config, devices: int) -> list[dict[str, object]]:
+    """Sharding rules with mesh shapes that fit `devices` chips and the model's shapes.
+
+    fsdp splits the width (n_embd) over as many chips as divide it, the rest is data parallel; tp splits heads,
+    mlp and vocabulary over 2 chips (more only adds collectives at GPT-2's widths); fsdp_tp does both.
+    """
+    D, H, V = cfg.model.n_embd, cfg.model.n_head, cfg.model.padded_vocab_size
+
+    def mesh(rules, data, fsdp, tensor):
+        return {"mesh.rules": rules, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor}
+
+    def fsdp_size(n):  # the largest divisor of n that splits the width
+        return max(f for f in range(1, n + 1) if n % f == 0 and D % f == 0)
+
+    out = [mesh("dp", devices, 1, 1)]
+    f = fsdp_size(devices)
+    if f > 1:
+        out.append(mesh("fsdp", devices // f, f, 1))
+    if devices % 2 == 0 and H % 2 == 0 and V % 2 == 0:
+        out.append(mesh("tp", devices // 2, 1, 2))
+    if devices % 2 == 0 and H % 2 == 0 and fsdp_size(devices // 2) > 1:
+        f = fsdp_size(devices // 2)
+        out.append(mesh("fsdp_tp", devices // 2 // f, f, 2))
+    return out
+
+
+def batch_shards(cfg: Config, devices: int) -> int:
+    """Chips the batch is split over: data × fsdp (the remaining factor of the device count is tensor)."""
+    m = cfg.mesh
+    if -1 in (m.data, m.fsdp):
+        return devices // m.tensor if m.tensor != -1 else m.data * m.fsdp
+    return m.data * m.fsdp
+
+
+def micro_batches(cfg: Config, devices: int) -> list[dict[str, object]]:
+    """grad_accum values giving MICRO_ROWS sequences per chip per micro-batch, fewest rows first."""
+    B, shards = cfg.train.batch_size, batch_shards(cfg, devices)
+    out = []
+    for rows in MICRO_ROWS:
+        if B % (rows * shards) == 0:
+            out.append({"train.grad_accum": B // (rows * shards)})
+    return out
+
+
+def options(axis: str, cfg: Config, devices: int) -> list[dict[str, object]]:
+    if axis == "attention":
+        return [{"model.attention": a} for a in ("xla", "splash")]
+    if axis == "layout":
+        return layouts(cfg, devices)
+    if axis == "micro_batch":
+        return micro_batches(cfg, devices)
+    if axis == "remat":
+        return [{"model.remat": r} for r in REMAT]
+    if axis == "scan_layers":
+        return [{"model.scan_layers": s} for s in (True, False)]
+    raise ValueError(axis)
+
+
+# ---------------------------------------------------------------------------------------------- the search
+
+@dataclasses.dataclass
+class Plan:
+    preset: str
+    topology: str
+    outcomes: dict[Changes, Outcome]  # every candidate compiled, in order
+    best: Changes
+    budget_s: float
+    elapsed_s: float
+    stopped_by_budget: bool
+
+    def ranked(self) -> list[Outcome]:
+        return sorted(self.outcomes.values(), key=Outcome.key)
+
+
+Compile = Callable[[Config, Changes], Outcome]
+
+
+class Search:
+    """Coordinate descent over AXES from `start` (the preset), compiling each candidate once through `compile`."""
+
+    def __init__(self, preset: Config, devices: int, compile: Compile, *, budget_s: float, progress=None):
+        self.preset, self.devices, self.compile = preset, devices, compile
+        self.budget_s, self.progress = budget_s, progress
+        self.outcomes: dict[Changes, Outcome] = {}
+        self.started = time.monotonic()
+        self.stopped_by_budget = False
+
+    def run(self) -> Changes:
+        current, best = {}, self.evaluate({})
+        for axis in AXES:
+            current, best = self.descend(axis, current, best)
+        return best.changes
+
+    def descend(self, axis: str, current: dict, best: Outcome) -> tuple[dict, Outcome]:
+        opts = options(axis, apply(self.preset, current.items()), self.devices)
+        if axis == "micro_batch":
+            return self.walk(opts, current, best)
+        if axis == "remat" and best.fits and self.value("model.remat", current) == "none":
+            # remat only adds recomputation at the same micro-batch: it can pay only by fitting a larger one
+            larger = self.larger_micro_batch(current)
+            opts = [{**o, **larger} for o in opts if o["model.remat"] != "none"] if larger else []
+        for opt in opts:
+            outcome = self.evaluate({**current, **opt})
+            if outcome is not None and outcome.key() < best.key():
+                current, best = {**current, **opt}, outcome
+        return current, best
+
+    def walk(self, opts: list[dict], current: dict, best: Outcome) -> tuple[dict, Outcome]:
+        """Along the micro-batch sizes from the current one: towards more rows per micro-batch while each step is
+        faster and fits (fewer micro-batches: the same FLOPs with fewer per-micro-batch collectives and
+        overheads, so never slower for a fitting candidate), or towards fewer rows until one fits."""
+        here = self.position(opts, current)
+        step = +1 if best.fits else -1
+        i = here + step if here is not None else (0 if step > 0 else len(opts) - 1)
+        while 0 <= i < len(opts):
+            outcome = self.evaluate({**current, **opts[i]})
+            if outcome is None or outcome.key() >= best.key():
+                break
+            current, best = {**current, **opts[i]}, outcome
+            i += step
+        return current, best
+
+    def larger_micro_batch(self, current: dict) -> dict | None:
+        """The next micro-batch size up from the current one, or None."""
+        opts = micro_batches(apply(self.preset, current.items()), self.devices)
+        here = self.position(opts, current)
+        return opts[here + 1] if here is not None and here + 1 < len(opts) else None
+
+    def position(self, opts: list[dict], current: dict) -> int | None:
+        return next((i for i, o in enumerate(opts) if all(self.value(k, current) == v for k, v in o.items())), None)
+
+    def value(self, path: str, current: dict):
+        if path in current:
+            return current[path]
+        section, field = path.split(".")
+        return getattr(getattr(self.preset, section), field)
+
+    def evaluate(self, changes: dict) -> Outcome | None:
+        """The outcome of the preset with `changes` (compiled once; None once the budget is spent)."""
+        key = self.normalize(changes)
+        if key in self.outcomes:
+            return self.outcomes[key]
+        if self.outcomes and time.monotonic() - self.started > self.budget_s:
+            self.stopped_by_budget = True
+            return None
+        if self.progress is not None:
+            self.progress.set_postfix_str(flags(key)[:80])
+        outcome = self.compile(apply(self.preset, key), key)
+        self.outcomes[key] = outcome
+        if self.progress is not None:
+            self.progress.update(1)
+        return outcome
+
+    def normalize(self, changes: dict) -> Changes:
+        """Only the fields that differ from the preset, sorted: the same candidate reached twice is one."""
+        return tuple(sorted((k, v) for k, v in changes.items() if self.value(k, {}) != v))
+
+
+def compile_candidate(topology: str) -> Compile:
+    """Compiles a candidate for `topology` (steps_per_call=1) into an Outcome; failures become rows."""
+    from trainer.aot import DoesNotFit, compile_for_topology
+
+    def compile(cfg: Config, changes: Changes) -> Outcome:
+        cfg = apply(cfg, [("train.steps_per_call", 1)])
+        start = time.monotonic()
+        try:
+            r = compile_for_topology(cfg, topology)
+        except DoesNotFit as e:
+            return Outcome(changes, False, e.required_bytes, None, None, "-", time.monotonic() - start,
+                           "does not fit: " + str(e).split("does not fit in HBM: ", 1)[-1])
+        except Exception as e:  # noqa: BLE001 - a candidate that fails to compile is a row, not a crash
+            text = str(e).strip().splitlines()
+            return Outcome(changes, False, None, None, None, "-", time.monotonic() - start,
+                           f"{type(e).__name__}: {text[0] if text else ''}"[:200])
+        finally:
+            import jax
+
+            jax.clear_caches()  # each candidate's executables are not needed again
+        e = r.step_time
+        return Outcome(changes, r.fits, float(r.total_bytes), e.predicted_s, e.predicted_mfu, e.bottleneck,
+                       time.monotonic() - start, None if r.fits else "does not fit in HBM")
+
+    return compile
+
+
+def plan(preset_name: str, cfg: Config, topology: str, *, budget_s: float, compile: Compile | None = None,
+         show_progress: bool = True) -> Plan:
+    """Searches candidates around `cfg` for `topology`; `compile` defaults to compiling through libtpu."""
+    from tqdm.auto import tqdm
+
+    from trainer.aot import chip_of, topology_devices
+
+    chip_of(topology)  # an unknown generation is one line, before anything compiles
+    devices = len(topology_devices(topology)) if compile is None else _devices(topology)
+    cfg = _resolved(cfg, devices)
+    with tqdm(desc=f"plan {topology}", unit="compile", disable=not show_progress, leave=False) as bar:
+        search = Search(cfg, devices, compile or compile_candidate(topology), budget_s=budget_s, progress=bar)
+        best = search.run()
+    return Plan(preset_name, topology, search.outcomes, best, budget_s, time.monotonic() - search.started,
+                search.stopped_by_budget)
+
+
+def _devices(topology: str) -> int:
+    """Chips in a topology name, e.g. v5e:2x4 -> 8 (for a search with a stand-in compiler)."""
+    return math.prod(int(d) for d in topology.split(":")[1].split("x"))
+
+
+def _resolved(cfg: Config, devices: int) -> Config:
+    """The preset with `auto` choices made as they are for a TPU target (attention=auto is splash there) and
+    the mesh's -1 ("the rest") resolved, so that a candidate equal to the preset is recognized as it."""
+    if cfg.model.attention == "auto":
+        cfg = apply(cfg, [("model.attention", "splash")])
+    m = cfg.mesh
+    sizes = {"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor}
+    free = [a for a, v in sizes.items() if v == -1]
+    if free:
+        fixed = math.prod(v for v in sizes.values() if v != -1)
+        cfg = apply(cfg, [(f"mesh.{free[0]}", devices // fixed)])
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------- the report
+
+def table(p: Plan) -> str:
+    gib = lambda b: f"{b / 2**30:5.2f}" if b is not None else "    ?"  # noqa: E731
+    rows = [f"{'#':>2}  {'fits':4}  {'GiB/chip':>8}  {'step ms':>8}  {'MFU':>6}  {'compile':>7}  bottleneck / changes"]
+    for i, o in enumerate(p.ranked(), 1):
+        fits = "yes" if o.fits else "no"
+        step = f"{o.step_s * 1e3:8.1f}" if o.step_s is not None else "       -"
+        mfu = f"{o.mfu:6.1%}" if o.mfu is not None else "     -"
+        why = o.bottleneck if o.error is None else o.error
+        rows.append(f"{i:>2}  {fits:4}  {gib(o.memory_bytes):>8}  {step}  {mfu}  {o.compile_s:6.0f}s  {why}")
+        rows.append(f"{'':>2}  {'':4}  {'':>8}  {'':>8}  {'':>6}  {'':>7}  {flags(o.changes)}")
+    return "\n".join(rows)
+
+
+def text(p: Plan, hbm_bytes: float) -> str:
+    best = p.outcomes[p.best]
+    budget = (f"stopped at the budget of {p.budget_s:.0f} s" if p.stopped_by_budget
+              else f"within the budget of {p.budget_s:.0f} s")
+    lines = [
+        f"Plan for --config {p.preset} on {p.topology}: {len(p.outcomes)} candidates compiled in"
+        f" {p.elapsed_s:.0f} s ({budget}; --plan_budget SECONDS).",
+        "Search: coordinate descent from the preset, one pass over " + ", ".join(AXES) + " — one axis at a"
+        " time, the others held at the best so far; not a full grid.",
+        f"Figures per chip, predicted from each compiled program (train.steps_per_call=1), not measured; HBM"
+        f" {hbm_bytes / 2**30:.2f} GiB. step ms: ops in series, each at max(its FLOPs at peak, its HBM bytes at"
+        " bandwidth), collectives overlapped; MFU: 6N + attention FLOPs over that time.",
+        "",
+        table(p),
+        "",
+    ]
+    if best.fits:
+        lines.append(f"best: {flags(p.best)}")
+        lines.append(f"      predicted {best.step_s * 1e3:.1f} ms per step, MFU {best.mfu:.1%}, bottleneck"
+                     f" {best.bottleneck}, {best.memory_bytes / 2**30:.2f} GiB per chip")
+    else:
+        lines.append("no candidate fits: shard more (a larger topology) or shrink train.batch_size")
+    return "\n".join(lines)
+
+
+def run_plan(name: str, cfg: Config, topology: str, budget: str | None) -> int:
+    """`train.py --config NAME --plan TOPOLOGY [--plan_budget SECONDS]`: prints the plan's table."""
+    from trainer.aot import chip_of
+
+    p = plan(name, cfg, topology, budget_s=budget_seconds(budget))
+    print(text(p, chip_of(topology)[1].hbm_bytes))
+    if not p.outcomes[p.best].fits:
+        raise ConfigError(f"--plan {topology}: no candidate fits")
+    return 0
+
+
+def budget_seconds(value: str | None) -> float:
+    try:
+        budget = float(value) if value is not None else DEFAULT_BUDGET_S
+    except ValueError:
+        budget = -1.0
+    if not budget > 0:
+        raise ConfigError(f"--plan_budget must be a positive number of seconds, got {value!r}")
+    return budget
