@@ -63,9 +63,7 @@ class Timeline:
     def record(self, event: str, **fields) -> None:
         if self.run_dir is None:
             return
-        if self._compiles is not None:  # the compilations before this record, as one
-            compiles, self._compiles = self._compiles, None
-            self.record("interval", kind="compile", **compiles)
+        self._flush_compiles()  # the compilations before this record, as one
         self.pending.append(json.dumps({"event": event, "attempt": self.attempt, **fields}) + "\n")
         if self.log is not None:
             self._write()
@@ -136,16 +134,21 @@ class Timeline:
     def _compiled(self, start: float, end: float, fun: str) -> None:
         """Adds a compilation to the record being gathered: compilations in a row (a checkpoint save compiles
         dozens of tiny slicing programs) make one record, with how many of each program and cache hits."""
+        if self._compiles is not None and start - self._compiles["end"] > 0.5:
+            self._flush_compiles()
+        if self._compiles is None:
+            self._compiles = {"start": start, "end": end, "programs": {}, "cache_hits": {}}
         group = self._compiles
-        if group is None or start - group["end"] > 0.5:
-            if group is not None:
-                self._compiles = None
-                self.record("interval", kind="compile", **group)
-            group = self._compiles = {"start": start, "end": end, "programs": {}, "cache_hits": {}}
         group["end"] = end
         group["programs"][fun] = group["programs"].get(fun, 0) + 1
         if self._cache_hit:
             group["cache_hits"][fun] = group["cache_hits"].get(fun, 0) + 1
+
+
+    def _flush_compiles(self) -> None:
+        if self._compiles is not None:
+            compiles, self._compiles = self._compiles, None
+            self.record("interval", kind="compile", **compiles)
 
 
 def open_timeline(run_dir, entered: float, joined: float, flush_every: float = 30.0) -> Timeline:
