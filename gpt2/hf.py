@@ -6,6 +6,7 @@ Our parameter names are GPT-2's own and our layouts are reshapes of HF's (`c_att
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -94,19 +95,21 @@ def from_hf(
         config = config_from_hf(hf_config, **config_overrides)
     except HFCheckpointError as e:
         raise HFCheckpointError(f"{directory / 'config.json'}: {e}") from None
-    tensors = _read_safetensors(directory)
+    files = SafetensorsFiles(directory)
     rules = _resolve(rules)
     graphdef, state = nnx.split(abstract_model(config, rules))
     shardings = dict(nnx.to_flat_state(named_shardings(state, mesh, rules))) if mesh else {}
     for path, var in nnx.to_flat_state(state):
+        abstract = var.get_value()
         try:
-            value = _gather(tensors, path, var.get_value(), config)
+            files.check(_hf_tensors(path, abstract.shape, config))
         except (KeyError, ValueError) as e:  # a missing tensor, or one of another shape than config.json says
             raise HFCheckpointError(f"{directory}: the safetensors do not match config.json ({e})") from None
-        if shardings:
-            var.set_value(jax.device_put(value, shardings[path].get_value()))
+        region = _RegionReader(files, path, abstract, config)
+        if shardings:  # each device's shard is read from the files by itself: a host reads only its own
+            var.set_value(jax.make_array_from_callback(abstract.shape, shardings[path].get_value(), region))
         else:
-            var.set_value(jax.numpy.asarray(value))
+            var.set_value(jax.numpy.asarray(region(tuple(slice(None) for _ in abstract.shape))))
     return nnx.merge(graphdef, state)
 
 
@@ -151,21 +154,119 @@ def hf_directory(path_or_name) -> Path:
     return path
 
 
-def _read_safetensors(directory: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
+class SafetensorsFiles:
+    """The tensors of a checkpoint directory's *.safetensors files, read by regions: the files are
+    memory-mapped, so reading a region costs its own bytes, not the file's."""
 
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise HFCheckpointError(f"{directory}: no *.safetensors files")
-    tensors = {}
-    for f in files:
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        paths = sorted(directory.glob("*.safetensors"))
+        if not paths:
+            raise HFCheckpointError(f"{directory}: no *.safetensors files")
+        self.files, self.tensors = [], {}
+        for path in paths:
+            try:
+                handle = safe_open(path, framework="numpy")
+                for name in handle.keys():  # GPT2LMHeadModel ("transformer.h.0...") vs GPT2Model naming
+                    self.tensors[name.removeprefix("transformer.")] = (path, handle.get_slice(name))
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
+                raise HFCheckpointError(f"{path}: not a readable safetensors file ({first_line(e)})") from None
+            self.files.append(handle)  # the memory map lives as long as its handle
+
+    def check(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """Raises KeyError for a missing tensor, ValueError for one of another shape."""
+        for name, shape in expected.items():
+            found = tuple(self.tensors[name][1].get_shape())
+            if found != shape:
+                raise ValueError(f"{name} has shape {found}, config.json implies {shape}")
+
+    def read(self, name: str, box: tuple[slice, ...]) -> np.ndarray:
+        path, tensor = self.tensors[name]
         try:
-            loaded = load_file(f)
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
-            raise HFCheckpointError(f"{f}: not a readable safetensors file ({first_line(e)})") from None
-        for name, array in loaded.items():
-            tensors[name.removeprefix("transformer.")] = array  # GPT2LMHeadModel vs GPT2Model naming
-    return tensors
+            return tensor[box]
+        except Exception as e:  # noqa: BLE001 - a file cut short after its header was read
+            raise HFCheckpointError(f"{path}: {name} cannot be read ({first_line(e)})") from None
+
+
+class _RegionReader:
+    """Reads any region of one of our parameters from the HF tensors it is made of: a layer of a scanned
+    stack is one HF tensor, and our dims regroup HF's row-major (`c_attn` [D, 3·D] is our [D, 3, H, K])."""
+
+    def __init__(self, files: SafetensorsFiles, path: tuple, abstract, config: GPT2Config):
+        self.files, self.shape, self.dtype = files, abstract.shape, abstract.dtype
+        self.layers = int(config.scan_layers and _hf_name(path, config)[1])  # 1: dim 0 counts layers
+        self.names = list(_hf_tensors(path, abstract.shape, config))
+        self.hf_shape = _hf_shape(self.names[0], self.shape[self.layers:], config)
+        self.stored_rows = None
+        if self.names[0] == "wte.weight":  # our rows past the vocabulary are padding: zeros
+            self.stored_rows, self.hf_shape = self.hf_shape[0], (self.shape[0], *self.hf_shape[1:])
+        self.seen: dict[tuple, np.ndarray] = {}  # the devices holding the same region read it once
+
+    def __call__(self, index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in self.seen:
+            if self.layers:
+                layers = range(self.shape[0])[index[0]]
+                self.seen[key] = np.stack([self.layer(self.names[i], index[1:]) for i in layers])
+            else:
+                self.seen[key] = self.layer(self.names[0], index)
+        return self.seen[key]
+
+    def layer(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """The region `index` of one HF tensor seen in our (per-layer) shape."""
+        shape = self.shape[self.layers:]
+        groups = _groups(shape, self.hf_shape)  # our dims making up each HF dim
+        picks = [np.arange(int(np.prod([shape[d] for d in dims]))).reshape([shape[d] for d in dims])[
+            tuple(index[d] for d in dims)].ravel() for dims in groups]  # the HF indices, per HF dim
+        out = np.zeros([len(p) for p in picks], self.dtype)
+        for runs in itertools.product(*(_runs(p) for p in picks)):
+            box = [slice(start, stop) for start, stop, _ in runs]
+            if self.stored_rows is not None:  # padded vocabulary rows stay zero
+                box[0] = slice(box[0].start, min(box[0].stop, self.stored_rows))
+                if box[0].stop <= box[0].start:
+                    continue
+            at = tuple(slice(offset, offset + b.stop - b.start) for (_, _, offset), b in zip(runs, box))
+            out[at] = self.files.read(name, tuple(box))
+        return out.reshape([len(range(n)[s]) for n, s in zip(shape, index)])
+
+
+def _groups(ours: tuple[int, ...], hf: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Which of our consecutive dims make up each HF dim (our shape is HF's, reshaped row-major)."""
+    groups, dim = [], 0
+    for size in hf:
+        start, product = dim, 1
+        while dim < len(ours) and (product < size or dim == start):
+            product *= ours[dim]
+            dim += 1
+        if product != size:
+            raise ValueError(f"shape {ours} is not a regrouping of {hf}")
+        groups.append(tuple(range(start, dim)))
+    return groups
+
+
+def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """Ascending indices as runs of consecutive ones: (start, stop, offset of the run in `ids`)."""
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    return [(int(ids[a]), int(ids[b - 1]) + 1, int(a)) for a, b in zip([0, *breaks], [*breaks, len(ids)])]
+
+
+def _hf_tensors(path: tuple, shape: tuple[int, ...], config: GPT2Config) -> dict[str, tuple[int, ...]]:
+    """The HF tensors one of our parameters is made of (one per layer of a scanned stack), with their shapes."""
+    name, in_block = _hf_name(path, config)
+    if not in_block:
+        return {name: _hf_shape(name, shape, config)}
+    if config.scan_layers:
+        return {f"h.{i}.{name}": _hf_shape(name, shape[1:], config) for i in range(config.n_layer)}
+    return {f"h.{path[1]}.{name}": _hf_shape(name, shape, config)}
+
+
+def _hf_shape(name: str, ours: tuple[int, ...], config: GPT2Config) -> tuple[int, ...]:
+    """An HF tensor's shape (`name` without its `h.{i}.`), given our (per-layer) shape of it."""
+    d = config.n_embd
+    name = name.split(".", 2)[2] if name.startswith("h.") else name
+    return {"wte.weight": (config.vocab_size, d), "attn.c_attn.weight": (d, 3 * d), "attn.c_attn.bias": (3 * d,),
+            "attn.c_proj.weight": (d, d)}.get(name, tuple(ours))
 
 
 def _hf_name(path: tuple, config: GPT2Config) -> tuple[str, bool]:
@@ -176,19 +277,6 @@ def _hf_name(path: tuple, config: GPT2Config) -> tuple[str, bool]:
     return BLOCK[rest], True
 
 
-def _gather(tensors, path, abstract, config: GPT2Config) -> np.ndarray:
-    name, in_block = _hf_name(path, config)
-    if not in_block:
-        value = tensors[name]
-        if name == "wte.weight":  # pad rows for padded vocab ids (never predicted, masked in the head)
-            value = np.pad(value, ((0, config.padded_vocab_size - value.shape[0]), (0, 0)))
-        return value.reshape(abstract.shape).astype(abstract.dtype)
-    if config.scan_layers:
-        layers = [tensors[f"h.{i}.{name}"] for i in range(config.n_layer)]
-        return np.stack(layers).reshape(abstract.shape).astype(abstract.dtype)
-    return tensors[f"h.{path[1]}.{name}"].reshape(abstract.shape).astype(abstract.dtype)
-
-
 def _scatter(path, value: np.ndarray, config: GPT2Config):
     """Yields (HF name, HF-shaped array) for one of our parameters."""
     name, in_block = _hf_name(path, config)
@@ -197,12 +285,9 @@ def _scatter(path, value: np.ndarray, config: GPT2Config):
             value = value[: config.vocab_size]
         yield name, value
         return
-    hf_shape = {"attn.c_attn.weight": (config.n_embd, 3 * config.n_embd),
-                "attn.c_attn.bias": (3 * config.n_embd,),
-                "attn.c_proj.weight": (config.n_embd, config.n_embd)}
     layers = enumerate(value) if config.scan_layers else [(path[1], value)]
     for i, layer in layers:
-        yield f"h.{i}.{name}", layer.reshape(hf_shape.get(name, layer.shape))
+        yield f"h.{i}.{name}", layer.reshape(_hf_shape(name, layer.shape, config))
 
 
 def _hf_config(config: GPT2Config) -> dict:

@@ -178,7 +178,20 @@ def test_a_finished_run_accounts_for_its_wall_time(reference):
     assert [a["how"] for a in report.attempts] == ["finished"]
     assert (report.good_steps, report.lost_steps, report.skipped_steps) == (16, 0, 0)
     assert all(report.seconds[name] > 0 for name in ("startup", "compile", "checkpoint", "eval", "train"))
-    assert abs(report.unaccounted) <= 0.01 * report.wall, report.text()
+    records = read_jsonl(reference / "events.jsonl")
+    assert abs(report.unaccounted) <= 0.01 * report.wall, f"{report.text()}\nlargest gaps: {_gaps(records)[-3:]}"
+
+
+def _gaps(records):
+    """The times between recorded intervals, smallest first: (seconds, after what, before what)."""
+    spans = sorted((r["start"], r["end"], r.get("kind", r["event"])) for r in records if "start" in r)
+    gaps, reach, last = [], records[0]["time"], "attempt_start"
+    for start, end, kind in spans:
+        if start > reach:
+            gaps.append((round(start - reach, 3), last, kind))
+        if end > reach:
+            reach, last = end, kind
+    return sorted(gaps)
 
 
 # ---- damaged checkpoints ----------------------------------------------------------------------------

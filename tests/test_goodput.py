@@ -17,7 +17,7 @@ def start(attempt, time):
 
 def call(attempt, first, steps, seconds, end, skipped=0):
     return {"event": "train_call", "attempt": attempt, "first": first, "steps": steps, "seconds": seconds,
-            "end": end, "skipped": skipped}
+            "start": end - seconds, "end": end, "skipped": skipped}
 
 
 def interval(attempt, kind, start, end, **fields):
@@ -63,6 +63,19 @@ def test_compilations_are_carved_out_of_the_intervals_they_fall_in():
     r = goodput.report(records)
     assert r.seconds["compile"] == 6.0  # the union of overlapping spans, counted once
     assert r.seconds["eval"] == 4.0
+
+
+def test_a_train_call_less_its_pre_save_probe_and_compilations_partitions_its_span():
+    """The probe before a save (checkpoint work) sits inside a call's span, and may compile: every second of the
+    span is counted once, as training, checkpoint or compile time."""
+    records = [
+        start(1, 0.0), {**call(1, 0, 2, 8.0, 10.0), "start": 0.0, "excluded": [8.0, 10.0]},
+        interval(1, "compile", 7.0, 9.0, programs={"probe": 1}), interval(1, "checkpoint", 8.0, 10.0),
+        {"event": "attempt_end", "attempt": 1, "time": 10.0, "how": "finished"},
+    ]
+    r = goodput.report(records)
+    assert (r.seconds["train"], r.seconds["compile"], r.seconds["checkpoint"]) == (7.0, 2.0, 1.0)
+    assert r.unaccounted == 0.0
 
 
 @pytest.mark.slow

@@ -230,6 +230,45 @@ def test_hf_import_and_export_match_transformers(tmp_path, shape, scan):
     assert np.abs(again - logits).max() <= 1e-4
 
 
+@pytest.mark.parametrize("rules", ["fsdp", "tp", "fsdp_tp"])
+@pytest.mark.parametrize("scan", [True, False])
+def test_a_sharded_hf_import_reads_each_shard_by_itself_and_equals_the_whole(tmp_path, monkeypatch, rules, scan):
+    """Every device's shard is read from the memory-mapped file on its own (head-sharded `c_attn` columns in
+    three runs, padded vocabulary rows as zeros): bitwise the unsharded import and the exported parameters,
+    reading exactly the elements of the distinct shards (devices holding the same shard read it once)."""
+    from gpt2 import from_hf, to_hf
+    from gpt2.hf import SafetensorsFiles
+
+    config = GPT2Config(vocab_size=200, block_size=32, n_layer=2, n_head=4, n_embd=32, pad_vocab_to=128,
+                        scan_layers=scan)  # 256 rows: the second tensor shard holds 56 real and 72 padding
+    original = nnx.state(GPT2(config, rngs=nnx.Rngs(0)), nnx.Param)
+    to_hf(nnx.merge(*nnx.split(GPT2(config, rngs=nnx.Rngs(0)))), tmp_path)
+    whole = nnx.state(from_hf(tmp_path, scan_layers=scan, pad_vocab_to=128), nnx.Param)
+    read, reads = SafetensorsFiles.read, []
+    monkeypatch.setattr(SafetensorsFiles, "read", lambda self, name, box: reads.append(read(self, name, box).size)
+                        or read(self, name, box))
+    sharded = nnx.state(from_hf(tmp_path, mesh=make_mesh(2, 2, 2), rules=rules, scan_layers=scan,
+                                pad_vocab_to=128), nnx.Param)
+    for (path, ours), theirs, exported in zip(nnx.to_flat_state(sharded), jax.tree.leaves(whole),
+                                              jax.tree.leaves(original)):
+        ours, exported = np.asarray(ours.get_value()), np.asarray(exported)
+        np.testing.assert_array_equal(ours, np.asarray(theirs))
+        if path[0] == "wte":  # the export keeps the real rows; the padding comes back as zeros
+            ours, exported = ours[: config.vocab_size], exported[: config.vocab_size]
+            assert not np.asarray(theirs)[config.vocab_size:].any()
+        np.testing.assert_array_equal(ours, exported)
+    distinct = 0
+    for path, leaf in nnx.to_flat_state(sharded):
+        regions = {tuple((s.start, s.stop) for s in index)
+                   for index in leaf.get_value().sharding.devices_indices_map(leaf.get_value().shape).values()}
+        for region in regions:
+            sizes = [len(range(n)[slice(*r)]) for n, r in zip(leaf.get_value().shape, region)]
+            if path[0] == "wte":  # the padding rows are not in the file
+                sizes[0] = len(range(config.vocab_size)[slice(*region[0])])
+            distinct += int(np.prod(sizes))
+    assert sum(reads) == distinct
+
+
 def test_hf_import_straight_into_a_sharded_layout(tmp_path):
     transformers = pytest.importorskip("transformers")
     from gpt2 import from_hf

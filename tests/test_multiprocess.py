@@ -1,6 +1,7 @@
 """Several JAX processes on this machine (CPU collectives over 127.0.0.1), as on a multi-host pod."""
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -72,6 +73,30 @@ def test_two_process_checkpoint_resumes_in_one_process_on_another_mesh(two_proce
     assert code == 0, err[-3000:]
     assert "resumed from" in out
     np.testing.assert_allclose(losses(tmp_path), losses(reference), rtol=0, atol=1e-5)
+
+
+def test_init_from_on_two_processes_reads_each_ones_shards_bitwise_as_one_process(tmp_path):
+    """`--init_from` as train.py loads it (benchmarks/init_from.py runs trainer.init_from.load_params), fsdp and
+    tensor parallel over 2 processes × 4 devices: every shard is bitwise the one a single process of 8 devices
+    loads, and each process holds half of the parameters."""
+    from flax import nnx
+
+    from gpt2 import GPT2, GPT2Config, to_hf
+
+    hf = tmp_path / "hf"  # 200 tokens: the vocabulary's padding rows fall in the second tensor shard
+    to_hf(GPT2(GPT2Config(vocab_size=200, block_size=128, n_layer=2, n_head=4, n_embd=64), rngs=nnx.Rngs(0)), hf)
+    records = {}
+    for n in (2, 1):
+        r = subprocess.run([sys.executable, "-m", "benchmarks.init_from", "--hf", str(hf), "--processes", str(n),
+                            "--out", str(tmp_path / str(n)), "--mesh.data=1", "--mesh.fsdp=4", "--mesh.tensor=2",
+                            "--mesh.rules=fsdp_tp"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        records[n] = [json.loads((tmp_path / str(n) / f"process_{i}.json").read_text()) for i in range(n)]
+    two, (one,) = records[2], records[1]
+    assert {**two[0]["shards"], **two[1]["shards"]} == one["shards"]
+    both = {key.split("[")[0].split("/")[-1] for key in set(two[0]["shards"]) & set(two[1]["shards"])}
+    assert both == {"bias"}  # only what fsdp leaves whole (biases without an embed dim) is read by both
+    assert two[0]["held_bytes"] + two[1]["held_bytes"] == one["held_bytes"]
 
 
 def start_processes(run_dir, shakespeare, *extra, stderr=subprocess.PIPE, env=None):

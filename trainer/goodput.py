@@ -59,11 +59,13 @@ class Timeline:
         self._last_span_end = float("-inf")
         self._compiles: dict | None = None  # compilations in a row, recorded as one (see _compiled)
         self._cache_hit = False
+        self.mark = self.started  # where the latest record ends: what happens after it is not yet accounted for
 
     def record(self, event: str, **fields) -> None:
         if self.run_dir is None:
             return
         self._flush_compiles()  # the compilations before this record, as one
+        self.mark = max(self.mark, fields.get("end", fields.get("time", self.mark)))
         self.pending.append(json.dumps({"event": event, "attempt": self.attempt, **fields}) + "\n")
         if self.log is not None:
             self._write()
@@ -103,8 +105,20 @@ class Timeline:
     def measure(self, kind: str, **fields) -> "_Measured":
         return _Measured(self, kind, fields)
 
-    def train_call(self, first_step: int, steps: int, seconds: float, skipped: int = 0) -> None:
-        self.record("train_call", first=first_step, steps=steps, seconds=seconds, skipped=skipped, end=time.time())
+    def since_mark(self, kind: str, **fields) -> None:
+        """Records everything since the latest record as `kind` (the caller knows nothing else happened)."""
+        self.interval(kind, self.mark, **fields)
+
+    def train_call(self, first_step: int, steps: int, start: float, skipped: int = 0,
+                   excluded: tuple[float, float] | None = None) -> float:
+        """A train call's time, from `start` to now less the `excluded` span (recorded as something else);
+        returns now."""
+        end = time.time()
+        fields = {"excluded": list(excluded)} if excluded else {}
+        seconds = end - start - (excluded[1] - excluded[0] if excluded else 0.0)
+        self.record("train_call", first=first_step, steps=steps, seconds=seconds, skipped=skipped, start=start,
+                    end=end, **fields)
+        return end
 
     def restored(self, step: int) -> None:
         self.record("restored", step=step, time=time.time())
@@ -280,7 +294,8 @@ def report(records: list[dict]) -> Report:
         elif r["event"] in ("restored", "rolled_back"):
             out.lost_steps += _drop_after(live, r["step"], seconds)
         elif r["event"] == "train_call":  # the first call's dispatch compiles: that is compile time
-            live.append({**r, "seconds": _outside({"start": r["end"] - r["seconds"], "end": r["end"]}, compiles)})
+            excluded = [{"start": r["excluded"][0], "end": r["excluded"][1]}] if "excluded" in r else []
+            live.append({**r, "seconds": _outside(r, compiles + excluded)})
         elif r["event"] == "interval" and r["kind"] != "compile":
             seconds[r["kind"]] = seconds.get(r["kind"], 0.0) + _outside(r, compiles)
         last_end = max(last_end, r.get("end", r.get("time", last_end)))
@@ -317,10 +332,10 @@ def _drop_after(live: list[dict], step: int, seconds: dict) -> int:
     return lost
 
 
-def _outside(interval: dict, compiles: list[dict]) -> float:
-    """An interval's seconds less the compilations inside it (counted once, as compile time)."""
+def _outside(interval: dict, others: list[dict]) -> float:
+    """An interval's seconds less the parts of it the `others` (compilations: compile time) cover."""
     start, end = interval["start"], interval["end"]
-    inside = [(max(start, c["start"]), min(end, c["end"])) for c in compiles if c["start"] < end and c["end"] > start]
+    inside = [(max(start, c["start"]), min(end, c["end"])) for c in others if c["start"] < end and c["end"] > start]
     return max(0.0, end - start - _union([{"start": a, "end": b} for a, b in inside]))
 
 

@@ -45,8 +45,8 @@ def resolve(cfg: Config, argv: list[str]) -> Config:
 
 
 def load_params(cfg: Config, layout: ModelLayout) -> nnx.State | None:
-    """The weights of `cfg.init_from` in the layout's parameter shardings (every host reads the whole file,
-    each device receives only its shards); None without --init_from."""
+    """The weights of `cfg.init_from` in the layout's parameter shardings, each process reading only the
+    regions of the files its devices hold (gpt2/hf.py: the files are memory-mapped); None without --init_from."""
     if cfg.init_from is None:
         return None
     others = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model) if f.name not in ARCHITECTURE}

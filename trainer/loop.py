@@ -48,7 +48,7 @@ class DispatchedCall:
     metrics: dict  # device arrays: read one call late
     batches: jax.Array  # [K, B, T+1]: its last batch probes the state before a save
     dispatched: float  # time.perf_counter() at dispatch
-    dispatched_at: float  # time.time() when its dispatch began (the goodput timeline's clock)
+    accounted_from: float  # the goodput timeline's mark at dispatch: the host work since then was this call's
 
 
 class Loop:
@@ -74,9 +74,9 @@ class Loop:
                 n = steps_this_call(self.step, self.stop, self.cfg)
                 batches, active = self.next_batches(n, waiting=pending is None)
                 self.profile.before_call(self.step, n)
-                dispatching = time.time()  # the first call compiles here: the timeline carves that out
+                accounted_from = self.run.timeline.mark  # the first call compiles: the timeline carves that out
                 self.state, metrics = call(self.state, batches, active)
-                dispatched = DispatchedCall(self.step, n, metrics, batches, time.perf_counter(), dispatching)
+                dispatched = DispatchedCall(self.step, n, metrics, batches, time.perf_counter(), accounted_from)
                 self.step += n
                 if pending is not None and not self.finish(pending):
                     pending = None  # rolled back: the call just dispatched is abandoned with it
@@ -124,9 +124,9 @@ class Loop:
         skipped = int(np.sum(metrics["skipped"])) if self.run.program.guarded else 0
         checked = time.time()
         problem = health(self.run, self.state, metrics, c.step, c.batches[c.n - 1] if probe else None)
-        probing = time.time() - checked if probe else 0.0  # the pre-save probe (a forward pass): checkpoint work
+        probed = (checked, time.time()) if probe else None  # the pre-save probe (a forward pass): checkpoint work
         if problem is not None:
-            self.record_call(c, skipped, probing)  # computed, and lost with the rollback
+            self.record_call(c, skipped, probed)  # computed, and lost with the rollback
             self.state = None  # the abandoned calls' state: free it before a checkpoint's is restored beside it
             with self.run.timeline.measure("rollback"):
                 self.state, self.step = roll_back(self.run, problem, self.step)
@@ -135,20 +135,20 @@ class Loop:
             self.last_ready = self.last_done = 0.0
             return False
         reached = log_call(self.run, self.bar, c.step, metrics, elapsed, self.peak)
-        self.record_call(c, skipped, probing)
-        if probe:
-            self.run.timeline.interval("checkpoint", checked, checked + probing)
+        self.record_call(c, skipped, probed)
         self.profile.after_call(reached)
         if c.step == self.first:  # the first call compiled: the ETA counts from the calls after it
             restart_bar(self.bar, reached)
         return True
 
-    def record_call(self, c: DispatchedCall, skipped: int, excluded: float) -> None:
-        """The call's time on the goodput timeline: from its dispatch (or the end of the previous call's
-        bookkeeping, if later) to the end of its own, less `excluded` seconds counted elsewhere."""
-        done = time.time()
-        self.run.timeline.train_call(c.step, c.n, done - max(c.dispatched_at, self.last_done) - excluded, skipped)
-        self.last_done = done
+    def record_call(self, c: DispatchedCall, skipped: int, probed: tuple[float, float] | None) -> None:
+        """The call's time on the goodput timeline: from the timeline's latest record before its dispatch (or
+        the end of the previous call's bookkeeping, if later) to now, less the pre-save probe (checkpoint
+        work). The loop's host work between records (logging, the progress bar) is part of a step."""
+        start = max(c.accounted_from, self.last_done)
+        self.last_done = self.run.timeline.train_call(c.step, c.n, start, skipped, excluded=probed)
+        if probed is not None:
+            self.run.timeline.interval("checkpoint", *probed)
 
     def checkpoint_and_evaluate(self, saving: bool) -> None:
         run = self.run

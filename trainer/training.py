@@ -107,6 +107,7 @@ def train_run(run: TrainingRun) -> None:
         return
     wandb_mode = restored.meta.get("wandb_mode") or resolve_wandb_mode(run.cfg.log.wandb)
     start_up(run, restored, wandb_mode)
+    run.timeline.since_mark("startup")  # wandb, the summary, the run's config: start-up after the restore
     run.timeline.commit()  # the run goes ahead: this attempt's record goes to events.jsonl
     try:
         with Preemption() as preemption:
@@ -115,8 +116,8 @@ def train_run(run: TrainingRun) -> None:
         if finished and run.cfg.train.sample_tokens:
             with run.timeline.measure("sample"):
                 say(sample_text(run.cfg, run.program, state))  # every process: the parameters may span them all
-        with run.timeline.measure("finish"):
-            run.logger.plot()
+        run.logger.plot()
+        run.timeline.since_mark("finish")  # since the loop's last save, or the sample: the plot, the loop's exit
         run.timeline.end("preempted" if preemption.signal_name else "finished" if finished else "stopped")
         report_goodput(run)
     except BaseException:
