@@ -227,14 +227,16 @@ def test_resume_refuses_old_metadata_without_the_batch_grouping(tmp_path):
         realign_data({"config": {"train": {"batch_size": 8}}}, NANO_RUN, None, tmp_path)
 
 
-def test_the_cpu_peak_is_measured_once_per_machine_and_cached(tmp_path, monkeypatch):
+def test_the_cpu_peak_is_the_best_measured_on_the_machine(tmp_path, monkeypatch):
+    """A measurement under load (lower) never replaces the cached peak; a better one does."""
     from trainer import metrics
 
-    calls = []
+    measured = iter([123e9, 5e9, 200e9, 150e9])
     monkeypatch.setattr(metrics, "PEAK_CACHE", str(tmp_path / "peak.json"))
-    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda repeats: calls.append(repeats) or 123e9)
-    assert metrics.cpu_peak_flops() == metrics.cpu_peak_flops() == 123e9
-    assert len(calls) == 1 and "cores | jax " in next(iter(json.loads((tmp_path / "peak.json").read_text())))
+    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda repeats: next(measured))
+    assert [metrics.cpu_peak_flops() for _ in range(4)] == [123e9, 123e9, 200e9, 200e9]
+    cache = json.loads((tmp_path / "peak.json").read_text())
+    assert list(cache.values()) == [200e9] and "cores | jax " in next(iter(cache))
 
 
 _HEAP_PROBE = """

@@ -33,12 +33,14 @@ INTERVALS = ("startup", "distributed_init", "restore", "data", "eval", "checkpoi
 
 
 def process_start_time() -> float:
-    """When this process started (Unix time): the attempt's wall time includes Python's and JAX's imports."""
+    """When this process started (Unix time, to the kernel's 10 ms tick): the attempt's wall time includes
+    Python's and JAX's imports. (psutil's create_time adds a boot time rounded to whole seconds: a restarted
+    attempt could seem to start before the killed one's last record.)"""
     try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except ImportError:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: clock ticks since boot
+        return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):  # not Linux
         return _IMPORTED
 
 

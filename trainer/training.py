@@ -107,11 +107,12 @@ def train_run(run: TrainingRun) -> None:
         return
     wandb_mode = restored.meta.get("wandb_mode") or resolve_wandb_mode(run.cfg.log.wandb)
     start_up(run, restored, wandb_mode)
-    run.timeline.since_mark("startup")  # wandb, the summary, the run's config: start-up after the restore
-    run.timeline.commit()  # the run goes ahead: this attempt's record goes to events.jsonl
     try:
         with Preemption() as preemption:
-            state = Loop(run, restored.state, preemption).run_to_stop()
+            loop = Loop(run, restored.state, preemption)
+            run.timeline.since_mark("startup")  # wandb, the summary, the config, the loop's evaluation and peak
+            run.timeline.commit()  # the run goes ahead: this attempt's record goes to events.jsonl
+            state = loop.run_to_stop()
         finished = int(state["step"]) >= run.cfg.train.steps
         if finished and run.cfg.train.sample_tokens:
             with run.timeline.measure("sample"):
