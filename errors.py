@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from typing import Callable
 
@@ -43,11 +44,17 @@ class TrainingError(UserError, RuntimeError):
 
 
 def first_line(e: BaseException, limit: int = 300) -> str:
-    """An exception as a one-line reason: its message's first line, or its type's name when it has none. A line
-    longer than `limit` keeps its start and its end (where libraries put the reason after a long path)."""
+    """An exception as a one-line reason: its message's first line, or its type's name when it has none. Long
+    bracketed payloads are dropped (TensorStore appends `[tensorstore_spec='{...}']`, a kilobyte of JSON, after
+    the reason); a line still longer than `limit` keeps its start and its end (where libraries put the reason
+    after a long path)."""
     text = str(e).strip()
     line = text.splitlines()[0] if text else type(e).__name__
+    line = _PAYLOAD.sub(lambda m: "" if len(m.group()) > 80 else m.group(), line)
     return line if len(line) <= limit else f"{line[: limit // 2]} ... {line[-(limit // 2):]}"
+
+
+_PAYLOAD = re.compile(r" ?\[\w[\w ]*='[^']*'\]")  # absl status payloads: [name='value']
 
 
 def fail(message: str):

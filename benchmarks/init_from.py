@@ -4,8 +4,9 @@ Face checkpoint into the run's parameter shardings.
     python -m benchmarks.init_from --hf /tmp/gpt2-medium --make gpt2_medium   # write a random checkpoint first
     python -m benchmarks.init_from --hf /tmp/gpt2-medium --processes 2        # 2 processes × 4 CPU devices
 
-Each process loads the weights as train.py does (`trainer.init_from.load_params`, onto the mesh of
-`--mesh.*`, default fsdp over every device) and reports its seconds, how much its peak resident memory grew
+Each process loads the weights as train.py does (`trainer.init_from.load_params`, with the default preset
+and any further config flags given, e.g. `--mesh.tensor=2 --mesh.rules=fsdp_tp`; default fsdp over every
+device) and reports its seconds, how much its peak resident memory grew
 (anonymous: its own arrays; file-backed: the memory-mapped file's pages it touched, which belong to the page
 cache) and a digest of every shard it holds; `--out DIR` keeps
 one JSON record per process, which tests compare across process counts.
@@ -68,7 +69,7 @@ class PeakMemory(threading.Thread):
         self.join()
 
 
-def load(hf: str, mesh_flags: list[str]) -> dict:
+def load(hf: str, config_flags: list[str]) -> dict:
     """One process's load, as train.py makes it: (seconds, peak memory growth, shard digests)."""
     import jax
     from flax import nnx
@@ -76,6 +77,7 @@ def load(hf: str, mesh_flags: list[str]) -> dict:
     import configs
     from configs.base import Config, DistributedConfig
     from configs.cli import parse
+    from gpt2.hf import SafetensorsFiles
     from gpt2.sharding import ShardingRules
     from trainer import init_from
     from trainer.layout import ModelLayout
@@ -83,7 +85,7 @@ def load(hf: str, mesh_flags: list[str]) -> dict:
     from trainer.processes import initialize_distributed
 
     initialize_distributed(DistributedConfig())
-    argv = ["--init_from", hf, "--train.batch_size", str(jax.device_count()), *mesh_flags]
+    argv = ["--init_from", hf, "--train.batch_size", str(jax.device_count()), *config_flags]
     cfg = init_from.resolve(parse(Config, argv, default=configs.load(configs.DEFAULT), prog="init_from"), argv)
     layout = ModelLayout.build(cfg.model, build_mesh(cfg), ShardingRules.preset(cfg.mesh.rules))
     before, started = resident_bytes(), time.perf_counter()
@@ -97,7 +99,8 @@ def load(hf: str, mesh_flags: list[str]) -> dict:
             shards[key] = hashlib.sha256(jax.device_get(shard.data).tobytes()).hexdigest()[:16]
     return {"process": jax.process_index(), "processes": jax.process_count(), "seconds": seconds,
             "anonymous_growth_bytes": memory.peak["RssAnon"] - before["RssAnon"],
-            "file_pages_bytes": memory.peak["RssFile"] - before["RssFile"], "held_bytes": sum(
+            "file_pages_bytes": memory.peak["RssFile"] - before["RssFile"], "read_bytes": SafetensorsFiles.bytes_read,
+            "held_bytes": sum(
                 s.data.nbytes for leaf in jax.tree.leaves(params) for s in leaf.addressable_shards
                 if s.replica_id == 0), "shards": shards}
 
@@ -111,23 +114,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=8, help="CPU devices in all (split over the processes)")
     parser.add_argument("--out", help="a directory for each process's JSON record")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one process of the job
-    args, mesh_flags = parser.parse_known_args(argv)
-    mesh_flags = mesh_flags or [f"--mesh.fsdp={args.devices}", "--mesh.data=1", "--mesh.rules=fsdp"]
+    args, config_flags = parser.parse_known_args(argv)
+    config_flags = config_flags or [f"--mesh.fsdp={args.devices}", "--mesh.data=1", "--mesh.rules=fsdp"]
     if args.worker:
-        record = load(args.hf, mesh_flags)
+        record = load(args.hf, config_flags)
         if args.out:
             Path(args.out, f"process_{record['process']}.json").write_text(json.dumps(record))
-        gib = {k: record[k] / 2**30 for k in ("anonymous_growth_bytes", "file_pages_bytes", "held_bytes")}
-        print(f"process {record['process']} of {record['processes']}: {record['seconds']:.1f} s, peak anonymous"
-              f" memory +{gib['anonymous_growth_bytes']:.2f} GiB, mapped file pages +{gib['file_pages_bytes']:.2f}"
-              f" GiB, holding {gib['held_bytes']:.2f} GiB of parameters")
+        gib = {k: record[k] / 2**30 for k in ("anonymous_growth_bytes", "file_pages_bytes", "read_bytes",
+                                              "held_bytes")}
+        print(f"process {record['process']} of {record['processes']}: {record['seconds']:.1f} s, read"
+              f" {gib['read_bytes']:.2f} GiB, peak anonymous memory +{gib['anonymous_growth_bytes']:.2f} GiB, mapped"
+              f" file pages +{gib['file_pages_bytes']:.2f} GiB, holding {gib['held_bytes']:.2f} GiB of parameters")
         return 0
     if args.make:
         make_checkpoint(Path(args.hf), args.make)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "benchmarks.init_from", "--worker", "--hf", args.hf,
-               *(["--out", args.out] if args.out else []), *mesh_flags]
+               *(["--out", args.out] if args.out else []), *config_flags]
     return subprocess.run([sys.executable, "-m", "tools.launch", "--num_processes", str(args.processes),
                            "--devices_per_process", str(args.devices // args.processes), "--", *command]).returncode
 

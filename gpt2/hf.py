@@ -1,7 +1,8 @@
 """Hugging Face GPT-2 weights in and out.
 
 Our parameter names are GPT-2's own and our layouts are reshapes of HF's (`c_attn.weight` [D, 3·D] is our
-`c_attn.kernel` [D, 3, H, K] read row-major), so the conversion is one table of names.
+`c_attn.kernel` [D, 3, H, K] read row-major), so the conversion is one table of names. Import reads each
+device's shard from the memory-mapped files by itself: on a pod, a host reads only what its devices hold.
 """
 
 from __future__ import annotations
@@ -100,12 +101,13 @@ def from_hf(
     graphdef, state = nnx.split(abstract_model(config, rules))
     shardings = dict(nnx.to_flat_state(named_shardings(state, mesh, rules))) if mesh else {}
     for path, var in nnx.to_flat_state(state):
-        abstract = var.get_value()
+        abstract, stacked = var.get_value(), config.scan_layers and _hf_name(path, config)[1]
+        tensors = _hf_tensors(path, abstract.shape, config)
         try:
-            files.check(_hf_tensors(path, abstract.shape, config))
+            files.check(tensors)
+            region = _RegionReader(files, tensors, abstract, stacked)
         except (KeyError, ValueError) as e:  # a missing tensor, or one of another shape than config.json says
             raise HFCheckpointError(f"{directory}: the safetensors do not match config.json ({e})") from None
-        region = _RegionReader(files, path, abstract, config)
         if shardings:  # each device's shard is read from the files by itself: a host reads only its own
             var.set_value(jax.make_array_from_callback(abstract.shape, shardings[path].get_value(), region))
         else:
@@ -158,6 +160,8 @@ class SafetensorsFiles:
     """The tensors of a checkpoint directory's *.safetensors files, read by regions: the files are
     memory-mapped, so reading a region costs its own bytes, not the file's."""
 
+    bytes_read = 0  # by every instance in this process: what a load cost (benchmarks/init_from.py reports it)
+
     def __init__(self, directory: Path):
         from safetensors import safe_open
 
@@ -184,41 +188,44 @@ class SafetensorsFiles:
     def read(self, name: str, box: tuple[slice, ...]) -> np.ndarray:
         path, tensor = self.tensors[name]
         try:
-            return tensor[box]
+            region = tensor[box]
         except Exception as e:  # noqa: BLE001 - a file cut short after its header was read
             raise HFCheckpointError(f"{path}: {name} cannot be read ({first_line(e)})") from None
+        SafetensorsFiles.bytes_read += region.nbytes
+        return region
 
 
 class _RegionReader:
     """Reads any region of one of our parameters from the HF tensors it is made of: a layer of a scanned
     stack is one HF tensor, and our dims regroup HF's row-major (`c_attn` [D, 3·D] is our [D, 3, H, K])."""
 
-    def __init__(self, files: SafetensorsFiles, path: tuple, abstract, config: GPT2Config):
-        self.files, self.shape, self.dtype = files, abstract.shape, abstract.dtype
-        self.layers = int(config.scan_layers and _hf_name(path, config)[1])  # 1: dim 0 counts layers
-        self.names = list(_hf_tensors(path, abstract.shape, config))
-        self.hf_shape = _hf_shape(self.names[0], self.shape[self.layers:], config)
-        self.stored_rows = None
-        if self.names[0] == "wte.weight":  # our rows past the vocabulary are padding: zeros
-            self.stored_rows, self.hf_shape = self.hf_shape[0], (self.shape[0], *self.hf_shape[1:])
+    def __init__(self, files: SafetensorsFiles, tensors: dict[str, tuple[int, ...]], abstract, stacked: bool):
+        self.files, self.names, self.shape, self.dtype = files, list(tensors), abstract.shape, abstract.dtype
+        self.stacked = stacked  # dim 0 counts layers, one HF tensor each
+        layer_shape = self.shape[1:] if stacked else self.shape
+        hf_shape = tensors[self.names[0]]
+        self.stored_rows = hf_shape[0] if self.names[0] == "wte.weight" else None  # ours past it: padding
+        self.groups = _groups(layer_shape, (layer_shape[0], *hf_shape[1:]) if self.stored_rows else hf_shape)
         self.seen: dict[tuple, np.ndarray] = {}  # the devices holding the same region read it once
 
     def __call__(self, index: tuple[slice, ...]) -> np.ndarray:
         key = tuple((s.start, s.stop, s.step) for s in index)
         if key not in self.seen:
-            if self.layers:
+            if self.stacked:
                 layers = range(self.shape[0])[index[0]]
-                self.seen[key] = np.stack([self.layer(self.names[i], index[1:]) for i in layers])
+                out = np.empty([len(range(n)[s]) for n, s in zip(self.shape, index)], self.dtype)
+                for i, layer in enumerate(layers):
+                    out[i] = self.layer(self.names[layer], index[1:])
+                self.seen[key] = out
             else:
                 self.seen[key] = self.layer(self.names[0], index)
         return self.seen[key]
 
     def layer(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        """The region `index` of one HF tensor seen in our (per-layer) shape."""
-        shape = self.shape[self.layers:]
-        groups = _groups(shape, self.hf_shape)  # our dims making up each HF dim
-        picks = [np.arange(int(np.prod([shape[d] for d in dims]))).reshape([shape[d] for d in dims])[
-            tuple(index[d] for d in dims)].ravel() for dims in groups]  # the HF indices, per HF dim
+        """The region `index` of one HF tensor, in our (per-layer) shape: read as boxes of consecutive HF rows
+        and columns (a head-sharded `c_attn` is three column runs: its q, k and v parts)."""
+        shape = self.shape[1:] if self.stacked else self.shape
+        picks = [_hf_indices(shape, dims, index) for dims in self.groups]
         out = np.zeros([len(p) for p in picks], self.dtype)
         for runs in itertools.product(*(_runs(p) for p in picks)):
             box = [slice(start, stop) for start, stop, _ in runs]
@@ -242,11 +249,21 @@ def _groups(ours: tuple[int, ...], hf: tuple[int, ...]) -> list[tuple[int, ...]]
         if product != size:
             raise ValueError(f"shape {ours} is not a regrouping of {hf}")
         groups.append(tuple(range(start, dim)))
+    if dim != len(ours):
+        raise ValueError(f"shape {ours} is not a regrouping of {hf}")
     return groups
+
+
+def _hf_indices(ours: tuple[int, ...], dims: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+    """The indices along one HF dim that `index` selects in our `dims` making it up (ascending: row-major)."""
+    sizes = [ours[d] for d in dims]
+    return np.arange(int(np.prod(sizes))).reshape(sizes)[tuple(index[d] for d in dims)].ravel()
 
 
 def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
     """Ascending indices as runs of consecutive ones: (start, stop, offset of the run in `ids`)."""
+    if not len(ids):
+        return []
     breaks = np.flatnonzero(np.diff(ids) != 1) + 1
     return [(int(ids[a]), int(ids[b - 1]) + 1, int(a)) for a, b in zip([0, *breaks], [*breaks, len(ids)])]
 
@@ -262,9 +279,8 @@ def _hf_tensors(path: tuple, shape: tuple[int, ...], config: GPT2Config) -> dict
 
 
 def _hf_shape(name: str, ours: tuple[int, ...], config: GPT2Config) -> tuple[int, ...]:
-    """An HF tensor's shape (`name` without its `h.{i}.`), given our (per-layer) shape of it."""
+    """The shape of the HF tensor `name` (`h.{i}.` left out) that our (per-layer) shape `ours` regroups."""
     d = config.n_embd
-    name = name.split(".", 2)[2] if name.startswith("h.") else name
     return {"wte.weight": (config.vocab_size, d), "attn.c_attn.weight": (d, 3 * d), "attn.c_attn.bias": (3 * d,),
             "attn.c_proj.weight": (d, d)}.get(name, tuple(ours))
 

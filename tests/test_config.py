@@ -144,3 +144,17 @@ def test_multi_host_start_up_uses_jaxs_cluster_detection(monkeypatch):
     for name, value in slurm.items():
         monkeypatch.setenv(name, value)
     assert _cluster_detected()
+
+
+def test_an_error_reason_keeps_the_cause_and_drops_tensorstores_spec():
+    """TensorStore puts a kilobyte of JSON (`[tensorstore_spec='...']`) between the reason and its error code;
+    the one-line reason keeps the cause at any path length."""
+    from errors import first_line
+
+    path = "/tmp/" + "run/" * 40 + "d/f03"
+    spec = "{" + ",".join(f'\\"k{i}\\":{i}' for i in range(200)) + "}"
+    e = OSError(f'OUT_OF_RANGE: Error writing "{path}": Failed to write 8921088 bytes to file 17: File too large'
+                f" [tensorstore_spec='{spec}'] [os_error_code='27']")
+    line = first_line(e)
+    assert line.endswith("File too large [os_error_code='27']") and line.startswith("OUT_OF_RANGE: Error writing")
+    assert len(line) <= 310 and "tensorstore_spec" not in line

@@ -4,10 +4,12 @@ persistent compilation cache. The real faults' figures are checked where the fau
 (tests/test_faults.py, tests/test_numerical_safety.py)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from conftest import SMALL, read_jsonl, run_cli
+from conftest import ROOT, SMALL, read_jsonl, run_cli
 from trainer import goodput
 
 
@@ -63,6 +65,23 @@ def test_compilations_are_carved_out_of_the_intervals_they_fall_in():
     r = goodput.report(records)
     assert r.seconds["compile"] == 6.0  # the union of overlapping spans, counted once
     assert r.seconds["eval"] == 4.0
+
+
+def test_train_calls_recorded_without_their_start_still_report():
+    """events.jsonl of the first release: a call's span was its end less its seconds."""
+    old = {k: v for k, v in call(1, 0, 2, 4.0, 14.0).items() if k != "start"}
+    records = [start(1, 0.0), interval(1, "startup", 0.0, 10.0), old, interval(1, "compile", 9.0, 11.0),
+               {"event": "attempt_end", "attempt": 1, "time": 14.0, "how": "finished"}]
+    r = goodput.report(records)
+    assert (r.seconds["train"], r.seconds["startup"], r.seconds["compile"], r.unaccounted) == (3.0, 9.0, 2.0, 0.0)
+
+
+def test_an_attempt_starts_when_its_process_did():
+    """Its imports count: the start is read from the kernel's record of the process (a wrong field of
+    /proc/self/stat would be years or a boot's age off), before the first line of Python ran."""
+    code = "import time; t = time.time()\nfrom trainer.goodput import process_start_time\nprint(t - process_start_time())"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert 0 <= float(r.stdout) < 2, r.stdout + r.stderr
 
 
 def test_a_train_call_less_its_pre_save_probe_and_compilations_partitions_its_span():

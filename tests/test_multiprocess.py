@@ -78,7 +78,7 @@ def test_two_process_checkpoint_resumes_in_one_process_on_another_mesh(two_proce
 def test_init_from_on_two_processes_reads_each_ones_shards_bitwise_as_one_process(tmp_path):
     """`--init_from` as train.py loads it (benchmarks/init_from.py runs trainer.init_from.load_params), fsdp and
     tensor parallel over 2 processes × 4 devices: every shard is bitwise the one a single process of 8 devices
-    loads, and each process holds half of the parameters."""
+    loads, and each process reads and holds about half of the parameters."""
     from flax import nnx
 
     from gpt2 import GPT2, GPT2Config, to_hf
@@ -89,7 +89,7 @@ def test_init_from_on_two_processes_reads_each_ones_shards_bitwise_as_one_proces
     for n in (2, 1):
         r = subprocess.run([sys.executable, "-m", "benchmarks.init_from", "--hf", str(hf), "--processes", str(n),
                             "--out", str(tmp_path / str(n)), "--mesh.data=1", "--mesh.fsdp=4", "--mesh.tensor=2",
-                            "--mesh.rules=fsdp_tp"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                            "--mesh.rules=fsdp_tp", "--model.pad_vocab_to=128"], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         records[n] = [json.loads((tmp_path / str(n) / f"process_{i}.json").read_text()) for i in range(n)]
     two, (one,) = records[2], records[1]
@@ -97,6 +97,9 @@ def test_init_from_on_two_processes_reads_each_ones_shards_bitwise_as_one_proces
     both = {key.split("[")[0].split("/")[-1] for key in set(two[0]["shards"]) & set(two[1]["shards"])}
     assert both == {"bias"}  # only what fsdp leaves whole (biases without an embed dim) is read by both
     assert two[0]["held_bytes"] + two[1]["held_bytes"] == one["held_bytes"]
+    assert one["read_bytes"] == one["held_bytes"] - 4 * (256 - 200) * 64  # every element once; the padding unread
+    for process in two:  # its own shards: the file once between them, plus the biases both hold
+        assert process["read_bytes"] < 0.52 * one["read_bytes"] and process["held_bytes"] < 0.52 * one["held_bytes"]
 
 
 def start_processes(run_dir, shakespeare, *extra, stderr=subprocess.PIPE, env=None):

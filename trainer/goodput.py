@@ -29,7 +29,8 @@ from errors import one_line_errors
 EVENTS = "events.jsonl"
 
 # the badput categories, in the order the report lists them
-INTERVALS = ("startup", "distributed_init", "restore", "data", "eval", "checkpoint", "sample", "rollback", "finish")
+INTERVALS = ("startup", "distributed_init", "restore", "data", "eval", "checkpoint", "sample", "rollback", "profile",
+             "finish")
 
 
 def process_start_time() -> float:
@@ -40,7 +41,7 @@ def process_start_time() -> float:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: clock ticks since boot
         return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, AttributeError):  # not Linux
+    except (OSError, ValueError, IndexError, AttributeError):  # not Linux
         return _IMPORTED
 
 
@@ -114,7 +115,7 @@ class Timeline:
     def train_call(self, first_step: int, steps: int, start: float, skipped: int = 0,
                    excluded: tuple[float, float] | None = None) -> float:
         """A train call's time, from `start` to now less the `excluded` span (recorded as something else);
-        returns now."""
+        returns now. (`seconds` is for a reader of the file: the report carves compilations out of the span.)"""
         end = time.time()
         fields = {"excluded": list(excluded)} if excluded else {}
         seconds = end - start - (excluded[1] - excluded[0] if excluded else 0.0)
@@ -296,8 +297,9 @@ def report(records: list[dict]) -> Report:
         elif r["event"] in ("restored", "rolled_back"):
             out.lost_steps += _drop_after(live, r["step"], seconds)
         elif r["event"] == "train_call":  # the first call's dispatch compiles: that is compile time
+            span = {"start": r.get("start", r["end"] - r["seconds"]), "end": r["end"]}  # older files: no start
             excluded = [{"start": r["excluded"][0], "end": r["excluded"][1]}] if "excluded" in r else []
-            live.append({**r, "seconds": _outside(r, compiles + excluded)})
+            live.append({**r, "seconds": _outside(span, compiles + excluded)})
         elif r["event"] == "interval" and r["kind"] != "compile":
             seconds[r["kind"]] = seconds.get(r["kind"], 0.0) + _outside(r, compiles)
         last_end = max(last_end, r.get("end", r.get("time", last_end)))

@@ -68,7 +68,7 @@ class Loop:
 
     def run_to_stop(self):
         call, pending = self.run.program.train_call(), None
-        profile = Profile(self.cfg.log, self.run.run_dir / "profile")
+        profile = Profile(self.cfg.log, self.run.run_dir / "profile", self.run.timeline)
         with finishing_saves(self.run.ckpt), profile as self.profile:
             while self.step < self.stop:
                 n = steps_this_call(self.step, self.stop, self.cfg)

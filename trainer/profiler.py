@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 
 from configs.base import LogConfig
+from trainer.goodput import Timeline
 from trainer.processes import is_process_0, say
 
 
@@ -12,9 +13,9 @@ class Profile:
     """A trace of the calls covering steps [log.profile_start, + log.profile_steps), written to
     <run_dir>/profile by process 0."""
 
-    def __init__(self, log: LogConfig, directory):
+    def __init__(self, log: LogConfig, directory, timeline: Timeline):
         self.start, self.end = log.profile_start, (log.profile_start or 0) + log.profile_steps
-        self.directory = directory
+        self.directory, self.timeline = directory, timeline  # starting and writing a trace is not training
         self.active = log.profile_start is not None and is_process_0()
         self.tracing = False
 
@@ -23,7 +24,8 @@ class Profile:
 
     def before_call(self, step: int, n: int) -> None:
         if self.active and not self.tracing and step < self.end and step + n >= self.start:
-            jax.profiler.start_trace(str(self.directory))
+            with self.timeline.measure("profile"):
+                jax.profiler.start_trace(str(self.directory))
             self.tracing = True
 
     def after_call(self, step: int) -> None:
@@ -33,5 +35,6 @@ class Profile:
 
     def __exit__(self, *exc):
         if self.tracing:
-            jax.profiler.stop_trace()
+            with self.timeline.measure("profile"):
+                jax.profiler.stop_trace()
             self.tracing, self.active = False, False

@@ -109,9 +109,9 @@ def train_run(run: TrainingRun) -> None:
     start_up(run, restored, wandb_mode)
     try:
         with Preemption() as preemption:
+            run.timeline.commit()  # the run goes ahead: this attempt's record goes to events.jsonl
             loop = Loop(run, restored.state, preemption)
             run.timeline.since_mark("startup")  # wandb, the summary, the config, the loop's evaluation and peak
-            run.timeline.commit()  # the run goes ahead: this attempt's record goes to events.jsonl
             state = loop.run_to_stop()
         finished = int(state["step"]) >= run.cfg.train.steps
         if finished and run.cfg.train.sample_tokens:
