@@ -19,7 +19,7 @@ import sys
 
 import jax
 
-from configs.base import CheckpointConfig, Config, DataConfig, DistributedConfig, MeshConfig
+from configs.base import CheckpointConfig, Config, DataConfig, DistributedConfig, MeshConfig, StorageConfig
 from configs.cli import parse
 from errors import CheckpointError, ConfigError, StorageError, one_line_errors
 from gpt2.sharding import ShardingRules
@@ -32,7 +32,7 @@ from trainer.malloc import keep_freed_memory
 from trainer.mesh import checked_mesh
 from trainer.metrics import init_wandb, resolve_wandb_mode
 from trainer.processes import initialize_distributed, is_process_0, on_process_0, say
-from trainer.run_dir import RunDir, eval_record, merge_eval_results, storage_errors, warn
+from trainer.run_dir import RunDir, eval_record, merge_eval_results, retry_storage_for, storage_errors, warn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +129,8 @@ def check_tasks(cfg: EvalConfig) -> None:
 
 
 def evaluate_run(cfg: EvalConfig) -> int:
+    if RunDir(cfg.run_dir).remote:  # a faltering cloud store is retried for as long as training would
+        retry_storage_for(StorageConfig().retry_seconds)
     ckpt = Checkpoints(cfg.run_dir, CheckpointConfig(), read_only=True)
     steps = ckpt.all_steps() if ckpt.directory.exists() else []
     if not steps:

@@ -275,6 +275,17 @@ def test_eval_reads_a_gs_run_and_writes_eval_json_there(gcs, gs_run):
 
 
 @pytest.mark.slow
+def test_eval_of_a_gs_run_rides_out_a_storage_outage(gcs, gs_run, outages):
+    """The server stops for 3 s when eval.py first touches eval.json; it retries with the trainer's budget."""
+    run_dir = gs("eval_outage")  # the results go here: the reference run's eval.json stays as other tests read it
+    outages.after((b"eval_outage%2Feval.json", b"eval_outage/eval.json"), 3)
+    r = run_cli("eval.py", "--run_dir", gs_run, "--batches=1", "--out", f"{run_dir}/eval.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert outages.fired and "retrying for up to 600 s" in r.stderr, r.stderr[-3000:]
+    assert json.loads(epath.Path(run_dir, "eval.json").read_text())["results"][0]["step"] == 6
+
+
+@pytest.mark.slow
 def test_kill_9_of_a_gs_run_then_restart_continues_exactly(gcs, gs_run, shakespeare):
     run_dir = gs("killed")
     # a long final evaluation keeps the run alive past its checkpoints; the resume evaluates as the reference
