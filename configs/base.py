@@ -232,8 +232,11 @@ class StorageConfig:
 
     Attributes:
       retry_seconds: how long a request (a checkpoint save, a metrics append, the lock's refresh) retries a
-        transient failure (HTTP 429/5xx, a refused or reset connection) with backoff before the run stops in
-        one line (> 0). The newest finished checkpoint stays the newest.
+        transient failure (HTTP 429/5xx, a refused or reset connection, no answer) with backoff before the run
+        stops in one line (> 0). The newest finished checkpoint stays the newest.
+      request_timeout: seconds a request to the run directory's objects (metadata, metrics, the lock; not the
+        checkpoint arrays, which TensorStore writes) may wait for the server's next bytes before it is failed
+        and retried (> 0): a connection that hangs would otherwise hang the whole job.
       metrics_every: seconds between appends of buffered metrics.jsonl records to their object (> 0; each
         checkpoint save appends first).
       lock_refresh_seconds: seconds between refreshes of the run directory's lock object (> 0); a lock not
@@ -241,6 +244,7 @@ class StorageConfig:
     """
 
     retry_seconds: float = 600.0
+    request_timeout: float = 60.0
     metrics_every: float = 30.0
     lock_refresh_seconds: float = 60.0
 
@@ -363,7 +367,7 @@ def validate(c: Config) -> None:
     _real("guard.z_loss", c.guard.z_loss, low=0, low_open=True)
     _real("guard.z_grad_norm", c.guard.z_grad_norm, low=0, low_open=True)
     _real("guard.decay", c.guard.decay, low=0, high=1, low_open=True, high_open=True)
-    for name in ("retry_seconds", "metrics_every", "lock_refresh_seconds"):
+    for name in ("retry_seconds", "request_timeout", "metrics_every", "lock_refresh_seconds"):
         _real(f"storage.{name}", getattr(c.storage, name), low=0, low_open=True)
     if t.peak_flops is not None:
         _real("train.peak_flops", t.peak_flops, low=0, low_open=True)

@@ -67,7 +67,7 @@ class Outages:
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.lock = threading.Lock()
         self.down_until, self.queue, self.fired, self.open = 0.0, [], [], set()
-        self.lose, self.muted = None, set()
+        self.lose, self.muted, self.stall = None, set(), None
         threading.Thread(target=self._accept, daemon=True).start()
 
     def is_down(self) -> bool:
@@ -91,6 +91,11 @@ class Outages:
         cut instead), as when a network drops it."""
         self.lose = pattern
 
+    def stall_request(self, pattern: bytes) -> None:
+        """The next request containing `pattern` is never answered: it does not reach the server and its
+        connection stays open and silent, as a hung load balancer leaves it."""
+        self.stall = pattern
+
     def _accept(self) -> None:
         while True:
             client, _ = self.listener.accept()
@@ -108,6 +113,12 @@ class Outages:
         try:
             while chunk := src.recv(65536):
                 if not inspect and src in self.muted:
+                    break
+                if inspect and self.stall and self.stall in previous + chunk:
+                    self.fired.append(self.stall)
+                    self.stall = None
+                    while src.recv(65536):  # swallowed until the client gives up and closes
+                        pass
                     break
                 if inspect and self.lose and self.lose in previous + chunk:
                     self.fired.append(self.lose)
@@ -187,7 +198,7 @@ def outages(gcs_server):
     relay.fired.clear()
     yield relay
     relay.queue.clear()
-    relay.lose = None
+    relay.lose = relay.stall = None
     relay.up()
 
 
@@ -510,6 +521,19 @@ def test_storage_outages_shorter_than_the_retry_budget_change_nothing(gcs, outag
     # retries are reported once per outage, not per attempt (TensorStore's own retries are silent)
     began, ended = err.count("retrying for up to 60 s"), err.count("cloud storage answers again after")
     assert 1 <= began <= 3 and began == ended, err
+
+
+@pytest.mark.slow  # whole runs through train.main
+def test_a_request_left_unanswered_is_timed_out_and_retried(gcs, outages, gs_run, shakespeare):
+    """A metrics append whose connection hangs (no answer, never closed) is failed after
+    storage.request_timeout and retried: the run ends as the uninterrupted one, instead of hanging."""
+    outages.stall_request(b"metrics.jsonl/compose")
+    code, out, err = run_main(train_app.main, *args(gs("stall"), shakespeare, "--storage.request_timeout=2",
+                                                    "--storage.metrics_every=1"))
+    assert code == 0, err[-3000:]
+    assert outages.fired == [b"metrics.jsonl/compose"]
+    assert records(gs("stall")) == records(gs_run)
+    assert "Timeout on reading data from socket" in err and "cloud storage answers again after" in err, err
 
 
 @pytest.mark.slow  # whole runs through train.main

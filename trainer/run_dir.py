@@ -91,7 +91,7 @@ def storage_exceptions() -> tuple[type[BaseException], ...]:
 _retry = {"budget": 600.0, "since": None}  # the retry budget (seconds); when the current outage began
 
 
-def retry_storage_for(budget: float) -> None:
+def retry_storage_for(budget: float, request_timeout: float = 60.0) -> None:
     """Every cloud-storage request of this process (the trainer's files, the lock, Orbax's metadata through
     gcsfs; its arrays through TensorStore) retries transient failures (HTTP 429/5xx, a refused or reset
     connection, a timeout) with exponential backoff for up to `budget` seconds before it fails. An outage is
@@ -106,7 +106,14 @@ def retry_storage_for(budget: float) -> None:
     _tensorstore_retries(budget)
     if importlib.util.find_spec("gcsfs") is None:
         return
+    import aiohttp
+    import fsspec
     import gcsfs
+
+    # gcsfs waits forever for an answer by default: a stalled connection would hang every process of the job.
+    # The filesystems made from now on (fsspec's defaults for "gcs") fail such a request, and it is retried.
+    fsspec.config.conf.setdefault("gcs", {})["requests_timeout"] = aiohttp.ClientTimeout(
+        sock_connect=request_timeout, sock_read=request_timeout)
 
     request = gcsfs.GCSFileSystem._request
     if not getattr(request, "budgeted", False):

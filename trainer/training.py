@@ -74,7 +74,7 @@ def train_in_job(cfg: Config, entered: float, joined: float) -> int:
     corpus = resolve_corpus(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
     run_dir = RunDir(cfg.run_dir)
     if run_dir.remote:
-        retry_storage_for(cfg.storage.retry_seconds)
+        retry_storage_for(cfg.storage.retry_seconds, cfg.storage.request_timeout)
     take_run_dir(run_dir, cfg.storage.lock_refresh_seconds)  # the first write to the run directory
     timeline = goodput.Timeline()
     try:
