@@ -130,7 +130,8 @@ def check_tasks(cfg: EvalConfig) -> None:
 
 def evaluate_run(cfg: EvalConfig) -> int:
     if RunDir(cfg.run_dir).remote:  # a faltering cloud store is retried for as long as training would
-        retry_storage_for(StorageConfig().retry_seconds, StorageConfig().request_timeout)
+        storage = StorageConfig()
+        retry_storage_for(storage.retry_seconds, storage.request_timeout)
     ckpt = Checkpoints(cfg.run_dir, CheckpointConfig(), read_only=True)
     steps = ckpt.all_steps() if ckpt.directory.exists() else []
     if not steps:

@@ -146,10 +146,14 @@ def test_kill_9_then_restart_continues_exactly(tmp_path, shakespeare, reference,
 
 def test_a_torn_last_metrics_line_is_repaired_on_resume(tmp_path, shakespeare, reference):
     run_dir = rewound(reference, tmp_path, 10)
-    with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write('{"step": 11, "loss": 6.1')  # a kill or a full disk in the middle of a write
+    for name, torn in (("metrics.jsonl", '{"step": 11, "loss": 6.1'), ("events.jsonl", '{"event": "train_ca')):
+        with open(run_dir / name, "a") as f:
+            f.write(torn)  # a kill or a full disk in the middle of a write
     out, err = resume_and_compare(run_dir, shakespeare, reference)
     assert "metrics.jsonl: dropped a torn last line" in err and "resumed from" in out
+    assert "events.jsonl: dropped a torn last line" in err
+    # the torn record is gone from the file (read_jsonl would fail on it); the resume's attempt is recorded
+    assert [a["how"] for a in goodput.report(read_jsonl(run_dir / "events.jsonl")).attempts] == ["finished"]
 
 
 # ---- signals ----------------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ def storage_exceptions() -> tuple[type[BaseException], ...]:
 _retry = {"budget": 600.0, "since": None}  # the retry budget (seconds); when the current outage began
 
 
-def retry_storage_for(budget: float, request_timeout: float = 60.0) -> None:
+def retry_storage_for(budget: float, request_timeout: float) -> None:
     """Every cloud-storage request of this process (the trainer's files, the lock, Orbax's metadata through
     gcsfs; its arrays through TensorStore) retries transient failures (HTTP 429/5xx, a refused or reset
     connection, a timeout) with exponential backoff for up to `budget` seconds before it fails. An outage is
@@ -634,18 +634,21 @@ class RunDir:
         """events.jsonl opened for appending; a torn last line (a kill during its write) is dropped from the
         file first, as from metrics.jsonl."""
         path = self.path / "events.jsonl"
-        with storage_errors("read", path):
-            lines = path.read_text().splitlines() if path.exists() else []
-        records = self.read_events()
-        if len(records) < len(lines):
+        records, torn = self._load_jsonl(path, repair=True)
+        if torn:
             atomic_write(path, "".join(json.dumps(r) + "\n" for r in records))
         with storage_errors("write", path):
             return AppendLog(path, flush_every)
 
     def _read_jsonl(self, path: epath.Path, *, repair: bool) -> list[dict]:
+        return self._load_jsonl(path, repair=repair)[0]
+
+    @staticmethod
+    def _load_jsonl(path: epath.Path, *, repair: bool) -> tuple[list[dict], bool]:
+        """(the file's records, whether a torn last line was dropped: only with `repair`)."""
         with storage_errors("read", path):
             if not path.exists():
-                return []
+                return [], False
             lines = path.read_text().splitlines()
         records = []
         for i, line in enumerate(lines):
@@ -657,9 +660,9 @@ class RunDir:
             except ValueError:
                 if i == len(lines) - 1 and repair:
                     warn(f"{path}: dropped a torn last line (a kill or a full disk during its write)")
-                    continue
+                    return records, True
                 raise StorageError(f"{path}: line {i + 1} is not a JSON record; fix or remove the file") from None
-        return records
+        return records, False
 
     # ---- plots and evaluation results ------------------------------------------------------------
 
