@@ -234,9 +234,9 @@ class StorageConfig:
       retry_seconds: how long a request (a checkpoint save, a metrics append, the lock's refresh) retries a
         transient failure (HTTP 429/5xx, a refused or reset connection, no answer) with backoff before the run
         stops in one line (> 0). The newest finished checkpoint stays the newest.
-      request_timeout: seconds a request to the run directory's objects (metadata, metrics, the lock; not the
-        checkpoint arrays, which TensorStore writes) may wait for the server's next bytes before it is failed
-        and retried (> 0): a connection that hangs would otherwise hang the whole job.
+      request_timeout: seconds a request to the run directory's objects (metadata, metrics, the lock, the
+        checkpoint arrays) may wait for the server's next bytes before it is failed and retried (> 0): a
+        connection that hangs would otherwise hang the whole job.
       metrics_every: seconds between appends of buffered metrics.jsonl records to their object (> 0; each
         checkpoint save appends first).
       lock_refresh_seconds: seconds between refreshes of the run directory's lock object (> 0); a lock not

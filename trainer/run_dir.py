@@ -26,6 +26,7 @@ import datetime
 import functools
 import importlib.util
 import json
+import math
 import os
 import random
 import socket
@@ -100,10 +101,11 @@ def retry_storage_for(budget: float, request_timeout: float) -> None:
     gcsfs retries a request 6 times (~30 s) with no setting to change it, so its request method's own retry
     decorator is replaced here by one with a budget in seconds (the same retriable errors: gcsfs's
     `is_retriable`); TensorStore takes its retry limits from its context, which Orbax builds from a
-    module-level default.
+    module-level default, and its timeout from the environment. A request that receives no byte for
+    `request_timeout` seconds fails and is retried in both.
     """
     _retry["budget"] = float(budget)
-    _tensorstore_retries(budget)
+    _tensorstore_retries(budget, request_timeout)
     if importlib.util.find_spec("gcsfs") is None:
         return
     import aiohttp
@@ -176,8 +178,17 @@ def _outage_ended() -> None:
         _retry["since"] = None
 
 
-def _tensorstore_retries(budget: float) -> None:
-    """TensorStore's GCS retries (default: 32 attempts, 1 s to 32 s apart): as many as fit in `budget`."""
+def _tensorstore_retries(budget: float, request_timeout: float) -> None:
+    """TensorStore's GCS retries (default: 32 attempts, 1 s to 32 s apart): as many as fit in `budget`; a
+    request that receives no byte for `request_timeout` fails (then is retried) instead of waiting for
+    TensorStore's own limit (~60 s, measured on a silent socket).
+
+    The timeout is curl's low-speed limit, read by TensorStore from the environment when it makes its first
+    HTTP transport (JAX sets 60 s itself, on Cloud TPU VMs only); so it holds for processes that have not yet
+    touched gs:// through TensorStore.
+    """
+    os.environ["TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS"] = str(max(1, math.ceil(request_timeout)))
+    os.environ["TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"] = "1"
     try:
         from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
     except ImportError:
