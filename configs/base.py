@@ -371,6 +371,11 @@ def validate(c: Config) -> None:
         _real(f"storage.{name}", getattr(c.storage, name), low=0, low_open=True)
     if t.peak_flops is not None:
         _real("train.peak_flops", t.peak_flops, low=0, low_open=True)
+    if c.model.param_dtype == "float16":
+        # float16's smallest number is ~6e-8: Adam's second moment (gradients² ~1e-10) and eps (1e-8) become 0
+        raise ConfigError("model.param_dtype=float16 cannot be trained: the optimizer state is kept in it and "
+                          "underflows (the loss turns NaN within steps); use float32 or bfloat16, and "
+                          "model.dtype for the compute")
     if t.seq_len > c.model.block_size:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.block_size={c.model.block_size}")
     if t.batch_size % t.grad_accum:

@@ -282,6 +282,7 @@ def train_error(tmp_path, shakespeare, *args):
         (["--train.sample_tokens=8", "--train.sample_prompt=" + " ".join(["word"] * 70)],
          "train.sample_prompt encodes to 70 tokens, more than model.block_size=64; shorten it"),
         (["--model.dtype=float16"], "model.dtype=float16 is not supported on cpu; use one of ['float32', 'bfloat16']"),
+        (["--model.param_dtype=float16"], "model.param_dtype=float16 cannot be trained: the optimizer state is"),
         (["--log.progress=maybe"], "--log.progress takes true or false (1/0, yes/no), got 'maybe'"),
         (["--train.reschedule", "perhaps"], "--train.reschedule takes true or false (1/0, yes/no), got 'perhaps'"),
     ],
