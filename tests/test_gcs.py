@@ -436,6 +436,22 @@ def test_the_metrics_object_stays_under_the_component_limit_past_1024_appends(gc
     assert epath.Path(gs("long/metrics.jsonl")).read_text() == "".join(lines)  # every record once, in order
 
 
+def test_an_append_whose_response_was_lost_is_retried_and_lands_once(gcs, outages, capsys):
+    """The compose of an append reaches GCS but its answer is lost; the retried compose is conditioned on the
+    generation the append started from (real GCS answers a repeat with HTTP 412; fake-gcs-server ignores the
+    condition), and before the retry the object is read back: it already has the append, so none is made."""
+    from trainer.run_dir import append, retry_storage_for
+
+    retry_storage_for(60, 60)  # as train.py and eval.py do at start-up
+    path = epath.Path(gs("lost-append.jsonl"))
+    path.write_text("1\n")
+    outages.lose_response(b"lost-append.jsonl/compose")
+    append(path, "2\n")
+    assert outages.fired == [b"lost-append.jsonl/compose"]
+    append(path, "3\n")
+    assert path.read_text() == "1\n2\n3\n"
+
+
 def test_a_lock_create_whose_response_was_lost_is_retried_and_kept(gcs, outages, capsys):
     """The create reaches GCS but its answer is lost; gcsfs retries it and meets its own object (HTTP 412): the
     holder's token, read back, says the lock is this trainer's."""

@@ -126,7 +126,9 @@ def _budgeted(request):
     from gcsfs.retry import is_retriable
 
     @functools.wraps(request)
-    async def retried(self, *args, **kwargs):
+    async def retried(self, *args, _took_effect=None, **kwargs):
+        """`_took_effect`: for a request that must not be made twice (an append's compose), an async check,
+        asked before each retry, whether a failed attempt (its answer lost) was carried out after all."""
         import asyncio
 
         delay, started = 1.0, time.monotonic()
@@ -139,6 +141,9 @@ def _budgeted(request):
                 _outage_began(e)
                 await asyncio.sleep(min(delay, max(0.0, _retry["budget"] - (time.monotonic() - started)) + 0.1))
                 delay = min(2 * delay, 30.0) * (0.75 + 0.5 * random.random())
+                if _took_effect is not None and await _took_effect():
+                    _outage_ended()
+                    return 200, {}, None, b"{}"  # what `_call` unpacks; the response itself was lost
                 continue
             _outage_ended()
             return result
@@ -269,11 +274,34 @@ def append(path: epath.Path, data: str | bytes, components: int | None = None) -
         part = f"{key}.part-{socket.gethostname()}-{os.getpid()}"
         fs.pipe_file(part, data)
         try:
-            fs.merge(key, [key, part])
+            _compose_onto(fs, key, part, int(info["generation"]), int(info["size"]) + len(data))
         finally:
             fs.rm_file(part)
             fs.invalidate_cache(key)
         return count + 1
+
+
+def _compose_onto(fs, key: str, part: str, generation: int, size: int) -> None:
+    """Composes `part` onto the object `key`, once. gcsfs's `merge` is unconditioned: retried after its answer
+    was lost, it appends the part a second time. Here the compose requires the object to be still at
+    `generation` (GCS then refuses a repeat with HTTP 412), and before any retry the object is read back: if it
+    has the `size` this compose makes, the lost attempt was carried out (one writer: the run's lock)."""
+    bucket, name = key.split("/", 1)
+
+    async def took_effect() -> bool:
+        fs.invalidate_cache(key)
+        return int((await fs._info(key))["size"]) == size  # noqa: SLF001 - the async call, inside the retry
+
+    once = {"_took_effect": took_effect} if getattr(type(fs)._request, "budgeted", False) else {}  # noqa: SLF001
+    try:
+        fs.call("POST", "b/{}/o/{}/compose", bucket, name, ifGenerationMatch=str(generation), **once,
+                headers={"Content-Type": "application/json"},
+                json={"kind": "storage#composeRequest", "destination": {"name": name, "bucket": bucket},
+                      "sourceObjects": [{"name": name, "generation": generation}, {"name": part.split("/", 1)[1]}]})
+    except FileExistsError:  # HTTP 412: the object moved on from `generation`
+        fs.invalidate_cache(key)
+        if int(fs.info(key)["size"]) != size:
+            raise OSError(f"gs://{key} changed under this append (another writer?); the append was not made") from None
 
 
 def move(src: epath.Path, dst: epath.Path) -> None:
