@@ -120,12 +120,13 @@ def check_args(cfg: EvalConfig) -> None:
 
 
 def check_tasks(cfg: EvalConfig) -> None:
-    """lm-eval is installed and knows every task (its task index is read here, before any JAX work)."""
+    """lm-eval is installed, knows every task and can load their documents (a hub dataset with no network is
+    one line here, before any JAX work)."""
     try:
-        from trainer.lm_eval_backend import task_manager
+        from trainer.lm_eval_backend import check_tasks_load
     except ImportError:
         raise ConfigError("--tasks needs lm-evaluation-harness: pip install -e '.[eval]'") from None
-    task_manager(cfg.tasks, cfg.include_path)
+    check_tasks_load(cfg.tasks, cfg.include_path, ("--tasks", "--include_path"))
 
 
 def evaluate_run(cfg: EvalConfig) -> int:

@@ -343,9 +343,12 @@ def test_eval_tasks_records_results_in_eval_json_and_the_runs_wandb(run, tasks_d
         (["--tasks", " , "], "--tasks ' , ' names no task"),
         (["--tasks", "tiny_mcq", "--include_path", "TASKS"], "--tasks: no lm-eval task 'tiny_mcq' (did you mean"
                                                               " tiny_mc"),
+        (["--tasks", "lambada_openai"], "--tasks: cannot load the tasks' documents"),  # a hub task, no network
     ],
 )
-def test_eval_task_errors_are_one_line_before_any_work(tasks_dir, tmp_path, args, message):
+def test_eval_task_errors_are_one_line_before_any_work(tasks_dir, tmp_path, monkeypatch, args, message):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     args = [a.replace("TASKS", str(tasks_dir)) for a in args]
     code, _, err = run_main(eval_app.main, "--hf", str(tmp_path), "--out", str(tmp_path / "r.json"), *args)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
