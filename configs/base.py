@@ -236,7 +236,8 @@ class StorageConfig:
         stops in one line (> 0). The newest finished checkpoint stays the newest.
       request_timeout: seconds a request to the run directory's objects (metadata, metrics, the lock, the
         checkpoint arrays) may wait for the server's next bytes before it is failed and retried (> 0): a
-        connection that hangs would otherwise hang the whole job.
+        connection that hangs would otherwise hang the whole job. For the arrays it sets TensorStore's
+        TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS (replacing the environment's).
       metrics_every: seconds between appends of buffered metrics.jsonl records to their object (> 0; each
         checkpoint save appends first).
       lock_refresh_seconds: seconds between refreshes of the run directory's lock object (> 0); a lock not

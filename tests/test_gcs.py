@@ -436,12 +436,16 @@ def test_the_metrics_object_stays_under_the_component_limit_past_1024_appends(gc
     assert epath.Path(gs("long/metrics.jsonl")).read_text() == "".join(lines)  # every record once, in order
 
 
-def test_an_append_whose_response_was_lost_is_retried_and_lands_once(gcs, outages, capsys):
+def test_an_append_whose_response_was_lost_is_retried_and_lands_once(gcs, outages, monkeypatch):
     """The compose of an append reaches GCS but its answer is lost; the retried compose is conditioned on the
     generation the append started from (real GCS answers a repeat with HTTP 412; fake-gcs-server ignores the
     condition), and before the retry the object is read back: it already has the append, so none is made."""
+    from trainer import run_dir
     from trainer.run_dir import append, retry_storage_for
 
+    for name in ("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"):
+        monkeypatch.delenv(name, raising=False)  # as it was, afterwards: later subprocesses inherit it
+    monkeypatch.setitem(run_dir._retry, "budget", run_dir._retry["budget"])
     retry_storage_for(60, 60)  # as train.py and eval.py do at start-up
     path = epath.Path(gs("lost-append.jsonl"))
     path.write_text("1\n")
@@ -450,6 +454,34 @@ def test_an_append_whose_response_was_lost_is_retried_and_lands_once(gcs, outage
     assert outages.fired == [b"lost-append.jsonl/compose"]
     append(path, "3\n")
     assert path.read_text() == "1\n2\n3\n"
+
+
+@pytest.mark.parametrize("size, made", [(5, True), (4, False)])
+def test_a_refused_compose_counts_as_made_only_if_the_object_has_its_size(size, made):
+    """Real GCS answers a compose repeated after its first attempt landed with HTTP 412 (fake-gcs-server does
+    not check the condition): the append is taken as made when the object has the size it makes, and is an
+    error otherwise (the object changed under it)."""
+    from fsspec.asyn import get_loop
+
+    from trainer.run_dir import _compose_onto
+
+    class Refusing:
+        loop, _request = get_loop(), None
+
+        def call(self, *args, **kwargs):
+            raise FileExistsError("412 Precondition Failed")
+
+        def invalidate_cache(self, key):
+            pass
+
+        async def _info(self, key):
+            return {"size": size}
+
+    if made:
+        _compose_onto(Refusing(), "bucket/log", "bucket/log.part", generation=7, size=5)
+    else:
+        with pytest.raises(OSError, match="changed under this append"):
+            _compose_onto(Refusing(), "bucket/log", "bucket/log.part", generation=7, size=5)
 
 
 def test_a_lock_create_whose_response_was_lost_is_retried_and_kept(gcs, outages, capsys):

@@ -105,7 +105,7 @@ def retry_storage_for(budget: float, request_timeout: float) -> None:
     `request_timeout` seconds fails and is retried in both.
     """
     _retry["budget"] = float(budget)
-    _tensorstore_retries(budget, request_timeout)
+    _tensorstore_limits(budget, request_timeout)
     if importlib.util.find_spec("gcsfs") is None:
         return
     import aiohttp
@@ -183,14 +183,14 @@ def _outage_ended() -> None:
         _retry["since"] = None
 
 
-def _tensorstore_retries(budget: float, request_timeout: float) -> None:
+def _tensorstore_limits(budget: float, request_timeout: float) -> None:
     """TensorStore's GCS retries (default: 32 attempts, 1 s to 32 s apart): as many as fit in `budget`; a
     request that receives no byte for `request_timeout` fails (then is retried) instead of waiting for
     TensorStore's own limit (~60 s, measured on a silent socket).
 
     The timeout is curl's low-speed limit, read by TensorStore from the environment when it makes its first
     HTTP transport (JAX sets 60 s itself, on Cloud TPU VMs only); so it holds for processes that have not yet
-    touched gs:// through TensorStore.
+    touched gs:// through TensorStore. The flag replaces what the environment had: it is the one setting.
     """
     os.environ["TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS"] = str(max(1, math.ceil(request_timeout)))
     os.environ["TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"] = "1"
@@ -261,6 +261,7 @@ def append(path: epath.Path, data: str | bytes, components: int | None = None) -
                 f.write(data)
             return 1
         fs, key = _filesystem(path)
+        fs.invalidate_cache(key)  # the generation the compose is conditioned on must be the object's own
         try:
             info = fs.info(key)
         except FileNotFoundError:
@@ -285,23 +286,27 @@ def _compose_onto(fs, key: str, part: str, generation: int, size: int) -> None:
     """Composes `part` onto the object `key`, once. gcsfs's `merge` is unconditioned: retried after its answer
     was lost, it appends the part a second time. Here the compose requires the object to be still at
     `generation` (GCS then refuses a repeat with HTTP 412), and before any retry the object is read back: if it
-    has the `size` this compose makes, the lost attempt was carried out (one writer: the run's lock)."""
+    has the `size` this compose makes, the lost attempt was carried out (one writer: the run's lock).
+
+    Without the budgeted retry (`retry_storage_for` not called), gcsfs's own retries rely on the 412 alone."""
     bucket, name = key.split("/", 1)
 
     async def took_effect() -> bool:
         fs.invalidate_cache(key)
         return int((await fs._info(key))["size"]) == size  # noqa: SLF001 - the async call, inside the retry
 
-    once = {"_took_effect": took_effect} if getattr(type(fs)._request, "budgeted", False) else {}  # noqa: SLF001
+    exactly_once = {"_took_effect": took_effect} if getattr(type(fs)._request, "budgeted", False) else {}  # noqa: SLF001
     try:
-        fs.call("POST", "b/{}/o/{}/compose", bucket, name, ifGenerationMatch=str(generation), **once,
+        # the source is the destination, whose generation ifGenerationMatch pins already
+        fs.call("POST", "b/{}/o/{}/compose", bucket, name, ifGenerationMatch=str(generation), **exactly_once,
                 headers={"Content-Type": "application/json"},
                 json={"kind": "storage#composeRequest", "destination": {"name": name, "bucket": bucket},
-                      "sourceObjects": [{"name": name, "generation": generation}, {"name": part.split("/", 1)[1]}]})
+                      "sourceObjects": [{"name": name}, {"name": part.split("/", 1)[1]}]})
     except FileExistsError:  # HTTP 412: the object moved on from `generation`
-        fs.invalidate_cache(key)
-        if int(fs.info(key)["size"]) != size:
-            raise OSError(f"gs://{key} changed under this append (another writer?); the append was not made") from None
+        from fsspec.asyn import sync
+
+        if not sync(fs.loop, took_effect):
+            raise OSError("the object changed under this append (another writer?); the append was not made") from None
 
 
 def move(src: epath.Path, dst: epath.Path) -> None:
