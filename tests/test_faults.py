@@ -151,7 +151,7 @@ def test_a_torn_last_metrics_line_is_repaired_on_resume(tmp_path, shakespeare, r
             f.write(torn)  # a kill or a full disk in the middle of a write
     out, err = resume_and_compare(run_dir, shakespeare, reference)
     assert "metrics.jsonl: dropped a torn last line" in err and "resumed from" in out
-    assert "events.jsonl: dropped a torn last line" in err
+    assert err.count("events.jsonl: dropped a torn last line") == 1, err  # said once, when it is repaired
     # the torn record is gone from the file (read_jsonl would fail on it); the resume's attempt is recorded
     assert [a["how"] for a in goodput.report(read_jsonl(run_dir / "events.jsonl")).attempts] == ["finished"]
 
