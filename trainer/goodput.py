@@ -176,7 +176,7 @@ def open_timeline(run_dir, entered: float, joined: float, flush_every: float = 3
 
     if not is_process_0():
         return Timeline()
-    records = run_dir.read_events(warn_torn=False)  # commit's open_events repairs a torn line and says so
+    records = run_dir.read_events(say_torn=False)  # commit's open_events repairs a torn line and says so
     timeline = Timeline(run_dir, attempt=1 + sum(r.get("event") == "attempt_start" for r in records),
                         flush_every=flush_every)
     timeline.begin()

@@ -309,10 +309,6 @@ def _compose_onto(fs, key: str, part: str, generation: int, size: int) -> None:
             raise OSError("the object changed under this append (another writer?); the append was not made") from None
 
 
-def _say_torn(path: epath.Path) -> None:
-    warn(f"{path}: dropped a torn last line (a kill or a full disk during its write)")
-
-
 def move(src: epath.Path, dst: epath.Path) -> None:
     """Moves a file or a directory (on GCS: copies each object, then deletes it; epath's rename there
     insists on a destination folder, which object stores do not have)."""
@@ -674,14 +670,11 @@ class RunDir:
         with storage_errors("write", path):
             return history, AppendLog(path, flush_every)
 
-    def read_events(self, *, warn_torn: bool = True) -> list[dict]:
+    def read_events(self, *, say_torn: bool = True) -> list[dict]:
         """events.jsonl's records (trainer/goodput.py): every attempt's, never cut back by a resume. A torn
-        last line is left out (and said, unless `warn_torn` is False: a reader before `open_events`, which says
+        last line is left out (and said, unless `say_torn` is False: a reader before `open_events`, which says
         it once when it repairs the file)."""
-        records, torn = self._load_jsonl(self.path / "events.jsonl", repair=True)
-        if torn and warn_torn:
-            _say_torn(self.path / "events.jsonl")
-        return records
+        return self._load_jsonl(self.path / "events.jsonl", repair=True, say_torn=say_torn)[0]
 
     def open_events(self, flush_every: float = 30.0) -> AppendLog:
         """events.jsonl opened for appending; a torn last line (a kill during its write) is dropped from the
@@ -689,20 +682,17 @@ class RunDir:
         path = self.path / "events.jsonl"
         records, torn = self._load_jsonl(path, repair=True)
         if torn:
-            _say_torn(path)
             atomic_write(path, "".join(json.dumps(r) + "\n" for r in records))
         with storage_errors("write", path):
             return AppendLog(path, flush_every)
 
     def _read_jsonl(self, path: epath.Path, *, repair: bool) -> list[dict]:
-        records, torn = self._load_jsonl(path, repair=repair)
-        if torn:
-            _say_torn(path)
-        return records
+        return self._load_jsonl(path, repair=repair)[0]
 
     @staticmethod
-    def _load_jsonl(path: epath.Path, *, repair: bool) -> tuple[list[dict], bool]:
-        """(the file's records, whether a torn last line was dropped: only with `repair`; the caller says so)."""
+    def _load_jsonl(path: epath.Path, *, repair: bool, say_torn: bool = True) -> tuple[list[dict], bool]:
+        """(the file's records, whether a torn last line was dropped: only with `repair`; said unless
+        `say_torn` is False)."""
         with storage_errors("read", path):
             if not path.exists():
                 return [], False
@@ -716,6 +706,8 @@ class RunDir:
                 records.append(record)
             except ValueError:
                 if i == len(lines) - 1 and repair:
+                    if say_torn:
+                        warn(f"{path}: dropped a torn last line (a kill or a full disk during its write)")
                     return records, True
                 raise StorageError(f"{path}: line {i + 1} is not a JSON record; fix or remove the file") from None
         return records, False
