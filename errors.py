@@ -57,6 +57,12 @@ def first_line(e: BaseException, limit: int = 300) -> str:
 _PAYLOAD = re.compile(r" ?\[\w[\w ]*='[^']*'\]")  # absl status payloads: [name='value']
 
 
+def warn(message: str) -> None:
+    """One `warning:` line on stderr, from whichever process met it (a storage outage, a damaged checkpoint moved
+    aside): the run goes on."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def fail(message: str):
     """Ends the program with one `error:` line and exit status 2."""
     print(f"error: {message}", file=sys.stderr, flush=True)

@@ -16,10 +16,11 @@ import configs
 from configs.base import Config
 from configs.cli import parse
 from errors import one_line_errors
-from trainer import init_from
 from trainer.malloc import keep_freed_memory
-from trainer.planner import DEFAULT_BUDGET_S
-from trainer.training import train
+from trainer.perf.aot import run_aot
+from trainer.perf.planner import DEFAULT_BUDGET_S, run_plan
+from trainer.run import init_from
+from trainer.run.driver import train
 
 
 @one_line_errors
@@ -33,12 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse(Config, argv, default=configs.load(name or configs.DEFAULT), prog="train.py", description=usage())
     cfg = init_from.resolve(cfg, argv)  # --init_from: the architecture of the HF checkpoint
     if topology:
-        from trainer.aot import run_aot
-
         return run_aot(cfg, topology)
     if plan_topology:
-        from trainer.planner import run_plan
-
         return run_plan(name or configs.DEFAULT, cfg, plan_topology, budget)
     return train(cfg)
 

@@ -23,7 +23,7 @@ import numpy as np
 import configs
 from data.prepare import prepare_shakespeare
 from gpt2 import make_mesh
-from trainer.program import TrainProgram
+from trainer.program.train_program import TrainProgram
 
 VARIANTS = {
     "off": dict(document_mask=False),

@@ -21,6 +21,9 @@ import json
 import statistics
 import tempfile
 
+import train
+from trainer.run.loop import TrainingLoop
+
 SHAPES = {
     # the CPU smoke shape of benchmarks/train_step.py
     "smoke": ["--model.n_layer=4", "--model.n_head=4", "--model.n_embd=128", "--model.block_size=64",
@@ -35,9 +38,7 @@ SHAPES = {
 
 def measure(shape: str, async_calls: bool, calls: int) -> dict:
     """Per-call (dispatched, ready) times of one run of the real loop."""
-    import train
-
-    events, finish = [], train.Loop.finish
+    events, finish = [], TrainingLoop.finish
 
     def timed_finish(self, c, **kw):
         ok = finish(self, c, **kw)
@@ -46,14 +47,14 @@ def measure(shape: str, async_calls: bool, calls: int) -> dict:
 
     k = int(next(a for a in SHAPES[shape] if "steps_per_call" in a).split("=")[1])
     with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(io.StringIO()):
-        train.Loop.finish = timed_finish
+        TrainingLoop.finish = timed_finish
         try:
             code = train.main(["--run_dir", run_dir, *SHAPES[shape], f"--train.steps={calls * k}",
                                "--train.eval_every=0", f"--checkpoint.every={calls * k}", "--train.sample_tokens=0",
                                "--log.wandb=disabled", "--log.progress=False", "--optim.warmup_steps=2",
                                f"--train.async_calls={async_calls}"])
         finally:
-            train.Loop.finish = finish
+            TrainingLoop.finish = finish
     assert code == 0, f"train.py failed ({code})"
     steady = events[2:-1]  # after compilation and the first calls, before the final save
     cycles = [b[1] - a[1] for a, b in zip(steady, steady[1:])]

@@ -4,7 +4,7 @@ Face checkpoint into the run's parameter shardings.
     python -m benchmarks.init_from --hf /tmp/gpt2-medium --make gpt2_medium   # write a random checkpoint first
     python -m benchmarks.init_from --hf /tmp/gpt2-medium --processes 2        # 2 processes × 4 CPU devices
 
-Each process loads the weights as train.py does (`trainer.init_from.load_params`, with the default preset
+Each process loads the weights as train.py does (`trainer.run.init_from.load_params`, with the default preset
 and any further config flags given, e.g. `--mesh.tensor=2 --mesh.rules=fsdp_tp`; default fsdp over every
 device) and reports its seconds, how much its peak resident memory grew
 (anonymous: its own arrays; file-backed: the memory-mapped file's pages it touched, which belong to the page
@@ -79,10 +79,10 @@ def load(hf: str, config_flags: list[str]) -> dict:
     from configs.cli import parse
     from gpt2.hf import SafetensorsFiles
     from gpt2.sharding import ShardingRules
-    from trainer import init_from
-    from trainer.layout import ModelLayout
-    from trainer.mesh import build_mesh
     from trainer.processes import initialize_distributed
+    from trainer.program.layout import ModelLayout
+    from trainer.program.mesh import build_mesh
+    from trainer.run import init_from
 
     initialize_distributed(DistributedConfig())
     argv = ["--init_from", hf, "--train.batch_size", str(jax.device_count()), *config_flags]

@@ -24,11 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.base import CheckpointConfig, Config, OptimConfig, TrainConfig
+from data.loader import LoaderConfig, make_dataset
+from data.prepare import prepare_shakespeare
 from gpt2 import GPT2Config, make_mesh
 from gpt2.config import RematPolicy
+from trainer.hardware import measure_matmul_peak
 from trainer.malloc import keep_freed_memory
-from trainer.metrics import measure_matmul_peak
-from trainer.program import TrainProgram
+from trainer.program.train_program import TrainProgram
+from trainer.storage.checkpoints import Checkpoints
 
 SHAPES = {
     # issue 6's CPU smoke shape and GPT-2 124M
@@ -126,9 +129,6 @@ def compile_seconds(config: GPT2Config, batch: int, seq: int) -> float:
 
 
 def loader_tokens_per_s(seconds: float = 3.0) -> float:
-    from data.loader import LoaderConfig, make_dataset
-    from data.prepare import prepare_shakespeare
-
     corpus = prepare_shakespeare(os.path.expanduser("~/.cache/gpt2_nnx/shakespeare"), quiet=True)
     cfg = LoaderConfig(seq_len=1024, batch_size=8, num_workers=0)
     it = iter(make_dataset([corpus / "train.bin"], 50257, cfg, shard_index=0, shard_count=1))
@@ -141,8 +141,6 @@ def loader_tokens_per_s(seconds: float = 3.0) -> float:
 
 def checkpoint_blocking(cfg: Config, repeats: int = 3) -> dict:
     """How long `save` blocks the loop vs how long the asynchronous write takes in total."""
-    from trainer.checkpoint import Checkpoints
-
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     trainer = TrainProgram.build(cfg, mesh)
     with jax.set_mesh(mesh):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from errors import ConfigError
 
-_NOT_PRESETS = {"base", "cli"}
+_NOT_PRESETS = {"base", "cli", "eval"}
 PRESETS = sorted(
     m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if m.name not in _NOT_PRESETS
 )

@@ -10,9 +10,8 @@ The pipeline (Grain's dataset API):
 
 Because every process strides over the *same* global permutation, the rows of global batch b are the same
 set whatever the number of processes: a 2-process run sees the data a 1-process run sees, and the iterator's
-position (`next_index`, global batches consumed) is the same number in every process. This module owns that
-representation: `rows_consumed` / `seek` read and set it, `restore_position` reads it from a checkpoint
-written by another number of processes.
+position (`next_index`, global batches consumed) is the same number in every process; trainer/run/data_position.py
+owns that number (reading, setting and restoring it).
 """
 
 from __future__ import annotations
@@ -25,11 +24,12 @@ from pathlib import Path
 import grain
 import jax
 import numpy as np
+from absl import flags
 from jax.sharding import NamedSharding
 
-from errors import DataError
 from data.format import META, TOKEN_DTYPE
 from data.tokenizer import RANKS_SHA256
+from errors import DataError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,13 +99,6 @@ def _check_split(corpus: Corpus, split: str, min_tokens: int) -> None:
             f" {min_tokens:,}; lower train.seq_len (eval.py: --seq_len) below {total:,}, or prepare the corpus"
             f" again with {more}"
         )
-
-
-def corpus_identity(corpus: Corpus) -> dict:
-    """What a checkpoint records of its corpus, to refuse resuming on another one."""
-    m = corpus.meta
-    return {"train_tokens": m.get("train_tokens"), "train_files": m.get("train_files"),
-            "source": m.get("source")}
 
 
 class TokenWindows(grain.sources.RandomAccessDataSource):
@@ -181,8 +174,6 @@ def make_dataset(
     read = grain.ReadOptions(num_threads=1 if cfg.prefetch else 0, prefetch_buffer_size=cfg.prefetch)
     it = ds.to_iter_dataset(read)
     if cfg.num_workers > 0:
-        from absl import flags
-
         if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags; we have no absl main
             flags.FLAGS.mark_as_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers))
@@ -192,43 +183,3 @@ def make_dataset(
 def to_global(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """This process's rows [..., B_local, T+1] -> one global [..., B, T+1] array sharded over the batch axes."""
     return jax.make_array_from_process_local_data(sharding, local)
-
-
-# ---- the data position ------------------------------------------------------------------------------
-
-
-def rows_consumed(iterator, batch_size: int) -> int:
-    """Rows of the global permutation this run has read: `next_index` counts global batches of `batch_size`."""
-    state = iterator.get_state()
-    if set(state) != {"next_index"}:
-        raise DataError("the data position of a loader with Grain worker processes cannot be regrouped; keep"
-                        " train.batch_size (or set data.num_workers=0)")
-    return state["next_index"] * batch_size
-
-
-def seek(iterator, rows: int, batch_size: int) -> None:
-    """Moves the iterator to `rows` rows of the global permutation (a whole number of batches)."""
-    if rows % batch_size:
-        raise DataError(f"the data position ({rows} rows) is not a whole number of batches of {batch_size};"
-                        f" choose a train.batch_size that divides {rows}")
-    iterator.set_state({"next_index": rows // batch_size})
-
-
-def position_file(data_dir, process_index: int, process_count: int):
-    """Grain's per-process iterator state inside a checkpoint's data item."""
-    return data_dir / f"process_{process_index}-of-{process_count}.json"
-
-
-def restore_position(data_dir, iterator) -> None:
-    """Sets the iterator from a checkpoint written by another number of processes (process 0's state: the
-    position is the same number in every process)."""
-    files = sorted(data_dir.glob("process_0-of-*.json"))
-    if not files:
-        raise DataError(f"{data_dir}: no data-iterator state in this checkpoint")
-    state = json.loads(files[0].read_text())
-    if set(state) != {"next_index"}:
-        raise DataError(
-            f"{files[0]}: the data-iterator state of a run with Grain workers cannot move to another"
-            " process count; resume with the original number of processes"
-        )
-    iterator.set_state(state)

@@ -43,7 +43,7 @@ def save_hf_tokenizer(out_dir, *, model_max_length: int) -> None:
     default split pattern is not GPT-2's (it encodes some whitespace and contractions differently), so
     tiktoken's r50k pattern is passed explicitly. Needs the `hf` extra.
     """
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # the optional `hf` extra
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     get_tokenizer()  # checks the rank file's hash

@@ -15,7 +15,10 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
+from huggingface_hub import snapshot_download
 from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from errors import CheckpointError, first_line
 from gpt2.config import GPT2Config
@@ -117,8 +120,6 @@ def from_hf(
 
 def to_hf(model: GPT2, out_dir: str | os.PathLike) -> Path:
     """Writes `config.json` + `model.safetensors` that `transformers.GPT2LMHeadModel.from_pretrained` loads."""
-    from safetensors.numpy import save_file
-
     config = model.config
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,8 +142,6 @@ def hf_directory(path_or_name) -> Path:
     `gpt2/` package in this repository) is never mistaken for one, nor the other way round."""
     text = str(path_or_name)
     if text.startswith(HUB):
-        from huggingface_hub import snapshot_download
-
         try:
             return Path(snapshot_download(text[len(HUB):], allow_patterns=["config.json", "*.safetensors"]))
         except Exception as e:  # noqa: BLE001 - offline, unknown repo, ...
@@ -163,8 +162,6 @@ class SafetensorsFiles:
     bytes_read = 0  # by every instance in this process: what a load cost (benchmarks/init_from.py reports it)
 
     def __init__(self, directory: Path):
-        from safetensors import safe_open
-
         paths = sorted(directory.glob("*.safetensors"))
         if not paths:
             raise HFCheckpointError(f"{directory}: no *.safetensors files")

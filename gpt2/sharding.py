@@ -14,6 +14,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from gpt2.config import ConfigError
@@ -141,8 +142,6 @@ def named_shardings(state, mesh: Mesh, rules: ShardingRules):
 
     Raises if a dimension is not divisible by the mesh axes it is split over (naming the parameter).
     """
-    from flax import nnx
-
     def one(path, v):
         logical = logical_axes_of(v)
         spec = rules.spec(logical)

@@ -10,8 +10,7 @@ import pytest
 
 import eval as eval_app
 import train as train_app
-from conftest import (ROOT, SMALL, checkpoint_steps, last_line, read_jsonl, read_only, run_cli, run_main,
-                      step_losses)
+from conftest import ROOT, SMALL, checkpoint_steps, last_line, read_jsonl, read_only, run_cli, run_main, step_losses
 
 
 def train_args(run_dir, shakespeare, *extra):
@@ -133,7 +132,7 @@ def test_a_finished_run_rerun_changes_nothing_and_extending_it_is_recorded(k4_ru
     code, out, err = run_main(train_app.main, *run, "--train.steps=12")
     assert code == 0, err
     assert out.strip() == f"{run_dir}: already finished at step 12; train.steps=12 (raise train.steps to continue" \
-                          " it; see README, Training)"
+                          " it; see docs/training.md)"
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()} == before  # no config, no wandb run
     config = (run_dir / "config.json").read_text()
     code, out, err = run_main(train_app.main, *run, "--train.steps=14")  # same schedule: decay_steps is fixed
@@ -213,7 +212,7 @@ def test_cli_eval_on_other_device_counts_matches(request, source, devices):
 @pytest.mark.slow
 def test_cli_eval_all_checkpoints_compiles_once_and_samples(k4_run, tmp_path, monkeypatch):
     """In-process, to see the executable: `--all` reuses one compiled loss call for every checkpoint."""
-    from trainer import evaluation
+    from trainer.program import eval_call as evaluation
 
     built = []
     build = evaluation.Evaluator.build

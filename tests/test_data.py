@@ -10,8 +10,8 @@ import pytest
 
 from data import tokenizer
 from data.loader import LoaderConfig, TokenWindows, make_dataset, open_corpus
-from errors import DataError
 from data.tokenizer import EOT, RANKS_FILE, RANKS_SHA256, get_tokenizer
+from errors import DataError
 
 SAMPLE = (
     "Hello world<|endoftext|> It's 2024: naïve café — 𝔘𝔫𝔦𝔠𝔬𝔡𝔢, emojis 🤖🚀, tabs\t\tand   spaces,\n\n"
@@ -86,7 +86,7 @@ def test_same_seed_same_batches_other_seed_other_order(shakespeare):
 def test_the_data_position_is_rows_consumed_for_any_batch_size(shakespeare):
     """The position the checkpoint records (rows of the global permutation) moves to another batch size:
     8 batches of 4 rows read, then seeking a batch-8 iterator to those 32 rows gives the next rows."""
-    from data.loader import rows_consumed, seek
+    from trainer.run.data_position import rows_consumed, seek
 
     files = open_corpus(shakespeare, vocab_size=50257, min_tokens=33).files("train")
     rows4 = np.concatenate(_batches(files, 12))  # [48, 33]

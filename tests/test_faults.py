@@ -21,9 +21,19 @@ import pytest
 
 import eval as eval_app
 import train as train_app
-from trainer import goodput
-from conftest import (ROOT, SMALL, checkpoint_steps, cli_env, last_line, read_jsonl, read_only, run_cli, run_main,
-                      step_losses)
+from conftest import (
+    ROOT,
+    SMALL,
+    checkpoint_steps,
+    cli_env,
+    last_line,
+    read_jsonl,
+    read_only,
+    run_cli,
+    run_main,
+    step_losses,
+)
+from trainer.telemetry import goodput
 
 pytestmark = pytest.mark.slow
 
@@ -255,7 +265,7 @@ def test_a_damaged_latest_checkpoint_is_moved_aside_and_the_previous_one_resumes
 
 
 def test_eval_all_keeps_going_past_damaged_and_removed_checkpoints(tmp_path, reference, monkeypatch):
-    from trainer.checkpoint import Checkpoints
+    from trainer.storage.checkpoints import Checkpoints
 
     run_dir = rewound(reference, tmp_path, 8)
     for f in _array_files(run_dir, 6):  # damaged: every array data file (how OCDBT splits them varies by run)

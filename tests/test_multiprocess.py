@@ -76,7 +76,7 @@ def test_two_process_checkpoint_resumes_in_one_process_on_another_mesh(two_proce
 
 
 def test_init_from_on_two_processes_reads_each_ones_shards_bitwise_as_one_process(tmp_path):
-    """`--init_from` as train.py loads it (benchmarks/init_from.py runs trainer.init_from.load_params), fsdp and
+    """`--init_from` as train.py loads it (benchmarks/init_from.py runs trainer.run.init_from.load_params), fsdp and
     tensor parallel over 2 processes × 4 devices: every shard is bitwise the one a single process of 8 devices
     loads, and each process reads and holds about half of the parameters."""
     from flax import nnx

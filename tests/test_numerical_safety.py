@@ -22,12 +22,12 @@ import pytest
 
 import eval as eval_app
 import train as train_app
-from trainer import goodput
 from configs.base import Config, GuardConfig, OptimConfig, TrainConfig
-from gpt2 import GPT2Config, make_mesh
-from trainer.checkpoint import Checkpoints
-from trainer.program import TrainProgram
 from conftest import ROOT, SMALL, checkpoint_steps, cli_env, last_line, read_jsonl, run_main
+from gpt2 import GPT2Config, make_mesh
+from trainer.program.train_program import TrainProgram
+from trainer.storage.checkpoints import Checkpoints
+from trainer.telemetry import goodput
 
 NANO = Config(model=GPT2Config.nano(), train=TrainConfig(batch_size=8, seq_len=16, steps=10),
               optim=OptimConfig(warmup_steps=2))

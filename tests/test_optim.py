@@ -9,17 +9,23 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_train_step import BATCHES, one_device, param_diff, run_calls
 
 from configs.base import CheckpointConfig, Config, GuardConfig, OptimConfig, TrainConfig
 from gpt2 import GPT2Config, make_mesh
 from gpt2.model import GPT2
 from gpt2.sharded_init import abstract_model
 from gpt2.sharding import ShardingRules
-from trainer.checkpoint import CheckpointMismatch, Checkpoints, check_compatible
-from trainer.optim import MUON_MATRICES, decay_mask, lr_schedule, make_optimizer, optimizer_of, parameters_per_optimizer
-from trainer.program import TrainProgram
-
-from test_train_step import BATCHES, one_device, param_diff, run_calls
+from trainer.program.optimizer import (
+    MUON_MATRICES,
+    decay_mask,
+    lr_schedule,
+    make_optimizer,
+    optimizer_of,
+    parameters_per_optimizer,
+)
+from trainer.program.train_program import TrainProgram
+from trainer.storage.checkpoints import CheckpointMismatch, Checkpoints, check_compatible
 
 MUON = OptimConfig(name="muon", warmup_steps=2, muon_lr=0.02)
 MUON_RUN = Config(model=GPT2Config.nano(), train=TrainConfig(batch_size=8, seq_len=16, steps=10), optim=MUON)

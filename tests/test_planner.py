@@ -12,8 +12,8 @@ import pytest  # noqa: E402
 
 import configs  # noqa: E402
 from conftest import run_cli  # noqa: E402
-from trainer import planner  # noqa: E402
-from trainer.planner import Outcome  # noqa: E402
+from trainer.perf import planner  # noqa: E402
+from trainer.perf.planner import Outcome  # noqa: E402
 
 GiB = 2**30
 

@@ -53,7 +53,7 @@ def test_a_sample_within_the_context_is_unchanged_by_sliding(model):
 
 def test_the_default_sample_starts_with_a_small_block_size():
     """shakespeare_cpu samples 120 tokens at the end; a 64-token context used to refuse to start."""
-    from trainer.training import check_sample_prompt
+    from trainer.run.driver import check_sample_prompt
 
     cfg = configs.load("shakespeare_cpu")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, block_size=64),

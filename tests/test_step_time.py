@@ -13,8 +13,9 @@ import pytest  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from trainer import step_time  # noqa: E402
-from trainer.step_time import CHIPS, estimate  # noqa: E402
+from trainer.hardware import CHIPS
+from trainer.perf import step_time  # noqa: E402
+from trainer.perf.step_time import estimate  # noqa: E402
 
 pytest.importorskip("libtpu", reason="the `tpu` extra brings libtpu")
 
@@ -24,7 +25,7 @@ V5E = CHIPS["v5e"]
 @pytest.fixture(scope="module")
 def mesh():
     """v5e:2x2 as data 2 × fsdp 1 × tensor 2."""
-    from trainer.aot import topology_devices
+    from trainer.perf.aot import topology_devices
 
     return jax.make_mesh((2, 1, 2), ("data", "fsdp", "tensor"), devices=topology_devices("v5e:2x2"))
 
@@ -142,7 +143,7 @@ def test_agrees_with_libtpu_where_libtpu_gives_an_estimate(mesh, name):
 @pytest.mark.slow
 def test_gpt2_124m_train_call_on_v5e_2x4_gets_a_positive_estimate():
     import configs
-    from trainer.aot import compile_for_topology
+    from trainer.perf.aot import compile_for_topology
 
     report = compile_for_topology(configs.load("gpt2_124m"), "v5e:2x4")
     e = report.step_time
@@ -159,7 +160,7 @@ def test_gpt2_124m_train_call_on_v5e_2x4_gets_a_positive_estimate():
 def test_splash_kernels_cost_their_causal_blocks():
     from gpt2.sharding import ShardingRules, make_mesh
     from gpt2.splash import splash_attention
-    from trainer.aot import topology_devices
+    from trainer.perf.aot import topology_devices
 
     mesh = make_mesh(2, 1, 2, devices=topology_devices("v5e:2x2"))  # the model's mesh: axes in Auto mode
     B, T, H, K, block = 4, 512, 4, 64, 128
@@ -185,7 +186,7 @@ def test_the_estimate_per_step_does_not_depend_on_steps_per_call():
     import configs
     from configs.base import Config
     from configs.cli import parse
-    from trainer.aot import compile_for_topology
+    from trainer.perf.aot import compile_for_topology
 
     tiny = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=128", "--model.block_size=256",
             "--model.vocab_size=512", "--train.seq_len=256", "--train.batch_size=16", "--train.grad_accum=2"]

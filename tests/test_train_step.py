@@ -14,9 +14,10 @@ from flax import nnx
 from configs.base import CheckpointConfig, Config, OptimConfig, TrainConfig
 from errors import CheckpointError
 from gpt2 import GPT2Config, make_mesh
-from trainer.checkpoint import Checkpoints, realign_data
-from trainer.optim import decay_mask, lr_schedule
-from trainer.program import TrainProgram
+from trainer.program.optimizer import decay_mask, lr_schedule
+from trainer.program.train_program import TrainProgram
+from trainer.run.data_position import realign
+from trainer.storage.checkpoints import Checkpoints
 
 NANO_RUN = Config(model=GPT2Config.nano(), train=TrainConfig(batch_size=8, seq_len=16, steps=10),
                   optim=OptimConfig(warmup_steps=2))
@@ -224,17 +225,17 @@ def test_parameters_restore_alone_onto_another_mesh(tmp_path):
 
 def test_resume_refuses_old_metadata_without_the_batch_grouping(tmp_path):
     with pytest.raises(CheckpointError, match="lacks train.steps_per_call / train.batch_size"):
-        realign_data({"config": {"train": {"batch_size": 8}}}, NANO_RUN, None, tmp_path)
+        realign({"config": {"train": {"batch_size": 8}}}, NANO_RUN, None, tmp_path)
 
 
 def test_the_cpu_peak_is_the_best_measured_on_the_machine(tmp_path, monkeypatch):
     """A measurement under load (lower) never replaces the cached peak; a better one does."""
-    from trainer import metrics
+    from trainer import hardware
 
     measured = iter([123e9, 5e9, 200e9, 150e9])
-    monkeypatch.setattr(metrics, "PEAK_CACHE", str(tmp_path / "peak.json"))
-    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda repeats: next(measured))
-    assert [metrics.cpu_peak_flops() for _ in range(4)] == [123e9, 123e9, 200e9, 200e9]
+    monkeypatch.setattr(hardware, "PEAK_CACHE", str(tmp_path / "peak.json"))
+    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda repeats: next(measured))
+    assert [hardware.cpu_peak_flops() for _ in range(4)] == [123e9, 123e9, 200e9, 200e9]
     cache = json.loads((tmp_path / "peak.json").read_text())
     assert list(cache.values()) == [200e9] and "cores | jax " in next(iter(cache))
 

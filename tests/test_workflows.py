@@ -261,11 +261,11 @@ def test_lm_eval_adapter_matches_the_hf_backend(run, tasks_dir, hf_backend):
     from lm_eval.tasks import TaskManager
 
     from configs import from_dict
-    from gpt2.sharding import ShardingRules, make_mesh
-    from trainer.checkpoint import Checkpoints
-    from trainer.evaluation import Evaluator
-    from trainer.lm_eval_backend import GPT2LM, score
     from configs.base import CheckpointConfig
+    from gpt2.sharding import ShardingRules, make_mesh
+    from trainer.eval.harness import GPT2LM, score
+    from trainer.program.eval_call import Evaluator
+    from trainer.storage.checkpoints import Checkpoints
 
     ckpt = Checkpoints(run, CheckpointConfig(), read_only=True)
     model_config = from_dict(ckpt.read_meta(2)["config"]).model
@@ -297,7 +297,7 @@ def test_lm_eval_adapter_matches_the_hf_backend(run, tasks_dir, hf_backend):
 
 
 def test_padded_lengths_are_a_few_fixed_ones():
-    from trainer.lm_eval_backend import buckets
+    from trainer.eval.harness import buckets
 
     assert buckets(1024) == [64, 128, 256, 512, 1024]
     assert (buckets(100), buckets(64), buckets(32)) == ([64, 100], [64], [32])
@@ -309,7 +309,8 @@ def test_eval_tasks_records_results_in_eval_json_and_the_runs_wandb(run, tasks_d
     checkpoints; step 2's accuracy on the first 4 documents equals lm-eval's `hf` backend's on them; eval.json
     and the training run's wandb run hold the figures."""
     from test_cli import wandb_records
-    from trainer.lm_eval_backend import score
+
+    from trainer.eval.harness import score
 
     run_dir = tmp_path / "run"
     shutil.copytree(run, run_dir)

@@ -16,9 +16,19 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import jax
+
 from configs.base import CheckpointConfig
 from configs.cli import parse
+from data.tokenizer import VOCAB_SIZE, save_hf_tokenizer
 from errors import CheckpointError, ConfigError, one_line_errors
+from gpt2.hf import to_hf
+from gpt2.sharding import ShardingRules, make_mesh
+from trainer.program.layout import ModelLayout
+from trainer.storage.checkpoints import Checkpoints, config_from_meta
+from trainer.storage.files import storage_errors
+from trainer.storage.run_dir import RunDir
+from trainer.telemetry.library_logs import library_logs_to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,20 +63,9 @@ def export(run_dir: str, out: str, *, step: int | None = None) -> Path:
     if step is not None and step < 0:
         raise ConfigError(f"--step must be >= 0, got {step}")
     try:
-        import transformers  # noqa: F401 - the tokenizer files are written by transformers
+        import transformers  # noqa: F401 - the `hf` extra: the tokenizer files are written by transformers
     except ImportError:
         raise ConfigError("export needs the `hf` extra: pip install -e '.[hf]'") from None
-
-    import jax
-
-    from data.tokenizer import VOCAB_SIZE, save_hf_tokenizer
-    from eval import config_from_meta
-    from gpt2.hf import to_hf
-    from gpt2.sharding import ShardingRules, make_mesh
-    from trainer.checkpoint import Checkpoints
-    from trainer.layout import ModelLayout
-    from trainer.library_logs import library_logs_to
-    from trainer.run_dir import RunDir, storage_errors
 
     with library_logs_to(RunDir(run_dir) / "logs"):  # Orbax's notes on read-only checkpoints
         ckpt = Checkpoints(run_dir, CheckpointConfig(), read_only=True)

@@ -10,7 +10,7 @@ from configs.base import Config, DataConfig
 from data.loader import Corpus, LoaderConfig, make_dataset, open_corpus
 from errors import ConfigError
 from trainer.processes import on_process_0
-from trainer.run_dir import is_remote
+from trainer.storage.files import is_remote
 
 EMBEDDED = "shakespeare"
 

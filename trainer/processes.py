@@ -19,6 +19,8 @@ from typing import Callable, Iterator, TypeVar
 
 import jax
 import numpy as np
+from jax._src import distributed  # the coordination service's client: JAX exposes no public handle to it
+from jax.experimental import multihost_utils
 
 from configs.base import DistributedConfig
 from errors import ConfigError, UserError, first_line
@@ -78,8 +80,6 @@ def say(text: str) -> None:
 def barrier(name: str) -> None:
     """Waits for every process."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
 
 
@@ -87,8 +87,6 @@ def all_agree(ok: bool) -> bool:
     """True only when `ok` is true on every process."""
     if jax.process_count() == 1:
         return ok
-    from jax.experimental import multihost_utils
-
     return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
 
 
@@ -128,8 +126,6 @@ class _Job:
     """
 
     def __init__(self):
-        from jax._src import distributed
-
         self.client = distributed.global_state.client
         self.me, self.n = jax.process_index(), jax.process_count()
         self.failing = False  # this process is reporting its own failure: its watcher stands aside

@@ -8,10 +8,10 @@
     config.py    `PrepareConfig`, the flags;  cli.py: `python -m data.prepare`
 """
 
-from errors import DataError  # public here too: callers catch it from data.prepare
 from data.prepare.cli import main
 from data.prepare.config import PrepareConfig
 from data.prepare.pipeline import SHAKESPEARE, prepare, prepare_shakespeare
 from data.prepare.tokens import is_val
+from errors import DataError  # public here too: callers catch it from data.prepare
 
 __all__ = ["DataError", "PrepareConfig", "SHAKESPEARE", "is_val", "main", "prepare", "prepare_shakespeare"]

@@ -25,9 +25,9 @@ document followed by <|endoftext|> — split into `train-00000.bin`, ... when la
 
 from __future__ import annotations
 
-from errors import UserError, fail
 from data.prepare.config import PrepareConfig
 from data.prepare.pipeline import prepare
+from errors import UserError, fail
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,11 +26,11 @@ from typing import Iterable, Iterator
 
 import filelock
 
-from errors import DataError
 from data.format import META, read_prepared_meta, token_files
 from data.prepare.config import PrepareConfig
 from data.prepare.sources import Unit
 from data.prepare.tokens import Tokens
+from errors import DataError
 
 STATE = ".prepare"  # the work area under out_dir; gone when the corpus is done
 

@@ -13,12 +13,12 @@ import os
 import shutil
 from pathlib import Path
 
-from errors import DataError
 from data.format import META, SPLITS, TOKEN_DTYPE, make_meta, shard_names, token_files
 from data.prepare import commit
 from data.prepare.config import PrepareConfig
 from data.prepare.sources import Unit
 from data.tokenizer import VOCAB_SIZE
+from errors import DataError
 
 GPT2_WINDOW_TOKENS = 1025  # one GPT-2 window of 1024 tokens + its shifted target: below it, a warning
 

@@ -18,8 +18,8 @@ import os
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
-from errors import DataError, first_line
 from data.prepare.config import PrepareConfig
+from errors import DataError, first_line
 
 FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 COMPRESSED = (".gz", ".xz", ".bz2", ".zst")

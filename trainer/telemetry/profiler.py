@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 
 from configs.base import LogConfig
-from trainer.goodput import Timeline
 from trainer.processes import is_process_0, say
+from trainer.telemetry.timeline import Timeline
 
 
 class Profile:

@@ -30,11 +30,11 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
-from errors import CheckpointError, ConfigError, first_line
 from data.tokenizer import EOT, get_tokenizer
-from trainer.evaluation import Evaluator
+from errors import CheckpointError, ConfigError, first_line
 from trainer.processes import say
-from trainer.run_dir import eval_record
+from trainer.program.eval_call import Evaluator
+from trainer.storage.run_dir import eval_record
 
 SHORTEST = 64  # the smallest padded length
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's own default for generate_until

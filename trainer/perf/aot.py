@@ -12,12 +12,14 @@ import dataclasses
 import re
 
 import jax
+from jax.experimental import topologies
 
 from configs.base import Config
 from errors import ConfigError
-from trainer.mesh import build_mesh
-from trainer.program import TrainProgram
-from trainer.step_time import CHIPS, Chip, StepTimeEstimate, estimate
+from trainer.hardware import CHIPS, Chip
+from trainer.perf.step_time import StepTimeEstimate, estimate
+from trainer.program.mesh import build_mesh
+from trainer.program.train_program import TrainProgram
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +75,6 @@ def chip_of(topology: str) -> tuple[str, Chip]:
 
 
 def topology_devices(topology: str):
-    from jax.experimental import topologies
-
     chip, spec = chip_of(topology)
     try:
         topo = topologies.get_topology_desc(

@@ -1,5 +1,6 @@
-"""One training run from a Config: start-up checks, the run directory, the mesh and program, resume, the loop,
-the final sample and the outputs. `train.py` parses the configuration and calls `train`.
+"""A training run from start to end: the checks before any work, joining the job, the run directory, the mesh
+and program, resume, the loop, the final sample and the outputs, in that order. `train.py` parses the
+configuration and calls `train`.
 """
 
 from __future__ import annotations
@@ -13,48 +14,29 @@ import jax
 import numpy as np
 
 from configs.base import Config, OptimConfig
-from data.loader import Corpus, corpus_identity, make_dataset, to_global
-from errors import ConfigError, UserError
+from data.loader import make_dataset
+from errors import UserError
 from gpt2.config import check_compute_dtype
 from gpt2.sharded_init import param_report, visualize_param
-from trainer import goodput
-from trainer.checkpoint import Checkpoints
-from trainer.compile_cache import use_compile_cache
 from trainer.corpus import resolve_corpus, train_loader_config
-from trainer.evaluation import prompt_that_fits, sample
-from trainer.faults import Preemption
-from trainer.goodput import OrbaxSaveTimes, open_timeline
-from trainer.library_logs import library_logs_to
-from trainer.loop import Loop
-from trainer.mesh import build_mesh
-from trainer.metrics import MetricsLogger, resolve_wandb_mode
-from trainer.optim import parameters_per_optimizer
+from trainer.eval.sampling import prompt_that_fits, sample
+from trainer.eval.tasks import check_tasks
 from trainer.processes import failing_together, initialize_distributed, is_process_0, on_process_0, say
-from trainer.program import TrainProgram
-from trainer.resume import Restored, restore
-from trainer.run_dir import RunDir, retry_storage_for
-
-
-@dataclasses.dataclass
-class TrainingRun:
-    """Everything the training loop works with."""
-
-    cfg: Config
-    program: TrainProgram
-    run_dir: RunDir
-    ckpt: Checkpoints
-    corpus: Corpus
-    train_iter: object  # Grain iterator of [B_local, T+1] batches
-    logger: MetricsLogger | None = None
-    meta: dict = dataclasses.field(default_factory=dict)  # saved with every checkpoint
-    timeline: goodput.Timeline = dataclasses.field(default_factory=goodput.Timeline)  # where the time goes
-
-    def next_batches(self, n: int) -> tuple[jax.Array, np.ndarray]:
-        """The next n batches as one global [K, B, T+1] array (zero-padded to K) and the [K] active mask."""
-        k = self.cfg.train.steps_per_call
-        local = [next(self.train_iter) for _ in range(n)]
-        local += [np.zeros_like(local[0])] * (k - n)
-        return to_global(np.stack(local), self.program.batch_sharding), np.arange(k) < n
+from trainer.program.mesh import build_mesh
+from trainer.program.optimizer import parameters_per_optimizer
+from trainer.program.train_program import TrainProgram
+from trainer.run.context import RunContext
+from trainer.run.data_position import corpus_identity
+from trainer.run.loop import TrainingLoop
+from trainer.run.preemption import Preemption
+from trainer.run.resume import Restored, restore
+from trainer.storage.checkpoints import Checkpoints
+from trainer.storage.compile_cache import use_compile_cache
+from trainer.storage.run_dir import RunDir, open_run_dir
+from trainer.telemetry import goodput
+from trainer.telemetry.library_logs import library_logs_to
+from trainer.telemetry.metrics import MetricsLogger, resolve_wandb_mode
+from trainer.telemetry.timeline import OrbaxSaveTimes, Timeline, open_timeline
 
 
 def train(cfg: Config) -> int:
@@ -65,29 +47,28 @@ def train(cfg: Config) -> int:
     initialize_distributed(cfg.distributed)
     joined = time.time()
     with failing_together():  # from here on, one process's error ends every process of the job
-        return train_in_job(cfg, entered, joined)
+        return _build_and_run(cfg, entered, joined)
 
 
-def train_in_job(cfg: Config, entered: float, joined: float) -> int:
+def _build_and_run(cfg: Config, entered: float, joined: float) -> int:
+    """Takes the run directory, builds the run's context and runs it; the lock is released however it ends."""
     check_compute_dtype(cfg.model, jax.default_backend())  # the backend is known once the job has joined
     mesh = build_mesh(cfg)
     corpus = resolve_corpus(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
-    run_dir = RunDir(cfg.run_dir)
-    if run_dir.remote:
-        retry_storage_for(cfg.storage.retry_seconds, cfg.storage.request_timeout)
+    run_dir = open_run_dir(cfg.run_dir, cfg.storage)
     take_run_dir(run_dir, cfg.storage.lock_refresh_seconds)  # the first write to the run directory
-    timeline = goodput.Timeline()
+    timeline = Timeline()
     try:
         timeline = open_timeline(run_dir, entered, joined, cfg.storage.metrics_every)
         use_compile_cache(cfg.train.compile_cache, run_dir, cfg.train.compile_cache_gb)
         program = TrainProgram.build(cfg, mesh)
         ckpt = Checkpoints(run_dir.path, cfg.checkpoint, save_statistics=OrbaxSaveTimes(timeline))
-        run = TrainingRun(cfg, program, run_dir, ckpt, corpus,
+        run = RunContext(cfg, program, run_dir, ckpt, corpus,
                           iter(make_dataset(corpus.files("train"), cfg.model.vocab_size, train_loader_config(cfg))),
                           timeline=timeline)
         timeline.interval("startup", joined)
         with jax.set_mesh(mesh), library_logs_to(run_dir / "logs"):
-            train_run(run)
+            _run(run)
         return 0
     except BaseException:
         with contextlib.suppress(Exception):  # the error being raised is the one to report
@@ -97,7 +78,8 @@ def train_in_job(cfg: Config, entered: float, joined: float) -> int:
         run_dir.unlock()
 
 
-def train_run(run: TrainingRun) -> None:
+def _run(run: RunContext) -> None:
+    """Restore, start-up, the loop to its stop, the final sample, plot and goodput report."""
     with run.timeline.measure("restore"):
         restored = restore(run)
     run.timeline.restored(restored.step)
@@ -110,7 +92,7 @@ def train_run(run: TrainingRun) -> None:
     try:
         with Preemption() as preemption:
             run.timeline.commit()  # the run goes ahead: this attempt's record goes to events.jsonl
-            loop = Loop(run, restored.state, preemption)
+            loop = TrainingLoop(run, restored.state, preemption)
             run.timeline.since_mark("startup")  # wandb, the summary, the config, the loop's evaluation and peak
             state = loop.run_to_stop()
         finished = int(state["step"]) >= run.cfg.train.steps
@@ -130,7 +112,7 @@ def train_run(run: TrainingRun) -> None:
     say(done)
 
 
-def report_goodput(run: TrainingRun) -> None:
+def report_goodput(run: RunContext) -> None:
     """Where the run's time went, over all its attempts so far: on the console and in wandb's summary."""
     if not is_process_0():
         return
@@ -140,7 +122,7 @@ def report_goodput(run: TrainingRun) -> None:
         run.logger.wandb.summary.update(result.summary())
 
 
-def nothing_to_do(run: TrainingRun, restored: Restored) -> bool:
+def nothing_to_do(run: RunContext, restored: Restored) -> bool:
     stop_after = run.cfg.train.stop_after
     past_stop = not restored.finished and stop_after is not None and stop_after <= restored.step
     if past_stop:
@@ -148,7 +130,7 @@ def nothing_to_do(run: TrainingRun, restored: Restored) -> bool:
     return restored.finished or past_stop
 
 
-def start_up(run: TrainingRun, restored: Restored, wandb_mode: str) -> None:
+def start_up(run: RunContext, restored: Restored, wandb_mode: str) -> None:
     """The config record, the start-up summary, the metrics logger and the metadata every checkpoint keeps."""
     cfg, saved, start = run.cfg, restored.meta, restored.step
     config = dataclasses.asdict(cfg)
@@ -168,7 +150,7 @@ def start_up(run: TrainingRun, restored: Restored, wandb_mode: str) -> None:
                 "corpus": corpus_identity(run.corpus), "rollbacks": saved.get("rollbacks", 0)}
 
 
-def summary(run: TrainingRun, start: int, wandb_mode: str) -> str:
+def summary(run: RunContext, start: int, wandb_mode: str) -> str:
     """The start-up screen: what runs where, in a few lines (the full config is in config.json)."""
     cfg, m, t, mesh = run.cfg, run.cfg.model, run.cfg.train, run.program.mesh
     meta = run.corpus.meta
@@ -198,7 +180,7 @@ def optimizer_line(o: OptimConfig, params) -> str:
     return f"optim    adamw (lr {o.lr:g}) on all {counts['adamw']:,} parameters"
 
 
-def outputs(run: TrainingRun, wandb_mode: str) -> str:
+def outputs(run: RunContext, wandb_mode: str) -> str:
     """The end-of-run line: where everything went."""
     d = run.run_dir.path
     steps = ",".join(str(s) for s in run.ckpt.all_steps())
@@ -232,13 +214,8 @@ def check_sample_prompt(cfg: Config) -> None:
 def check_eval_tasks(cfg: Config) -> None:
     """train.eval_tasks: lm-eval installed, every task known and its documents loaded, before any work."""
     t = cfg.train
-    if t.eval_tasks is None:
-        return
-    try:
-        from trainer.lm_eval_backend import check_tasks_load
-    except ImportError:
-        raise ConfigError("train.eval_tasks needs lm-evaluation-harness: pip install -e '.[eval]'") from None
-    check_tasks_load(t.eval_tasks, t.include_path, ("train.eval_tasks", "train.include_path"))
+    if t.eval_tasks is not None:
+        check_tasks(t.eval_tasks, t.include_path, ("train.eval_tasks", "train.include_path"))
 
 
 def sample_prompt(cfg: Config) -> list[int]:

@@ -10,23 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
 from configs.base import Config
-from data.loader import rows_consumed
-from errors import UserError
 from trainer.corpus import val_dataset
-from trainer.faults import Preemption, finishing_saves, health, roll_back, save_errors
-from trainer.metrics import peak_flops_per_device
-from trainer.profiler import Profile
-from trainer.run_dir import merge_eval_results
-
-if TYPE_CHECKING:
-    from trainer.training import TrainingRun
+from trainer.hardware import peak_flops_per_device
+from trainer.run.context import RunContext
+from trainer.run.data_position import rows_consumed_or_none
+from trainer.run.preemption import Preemption
+from trainer.run.rollback import health, roll_back
+from trainer.storage.checkpoints import finishing_saves, save_errors
+from trainer.storage.run_dir import merge_eval_results
+from trainer.telemetry.profiler import Profile
 
 
 def steps_this_call(step: int, stop: int, cfg: Config) -> int:
@@ -51,11 +49,11 @@ class DispatchedCall:
     accounted_from: float  # the goodput timeline's mark at dispatch: the host work since then was this call's
 
 
-class Loop:
+class TrainingLoop:
     """Runs the train call from `state` to the run's stop step, with its evaluations, checkpoints, faults and
     preemption."""
 
-    def __init__(self, run: TrainingRun, state, preemption: Preemption):
+    def __init__(self, run: RunContext, state, preemption: Preemption):
         self.run, self.cfg, self.state, self.preemption = run, run.cfg, state, preemption
         t = run.cfg.train
         self.step = self.first = int(state["step"])  # the step the state reaches when the dispatched calls end
@@ -158,7 +156,7 @@ class Loop:
         if saving:
             with save_errors(run.ckpt):
                 run.ckpt.save(self.step, self.state, run.train_iter,
-                              {**run.meta, "data_rows": rows_consumed_or_none(run)})
+                              {**run.meta, "data_rows": rows_consumed_or_none(run.train_iter, run.cfg.train.batch_size)})
 
 
 def restart_bar(bar, step: int) -> None:
@@ -167,7 +165,7 @@ def restart_bar(bar, step: int) -> None:
     bar.initial = bar.n = bar.last_print_n = step
 
 
-def log_call(run: TrainingRun, bar, step: int, metrics: dict, elapsed: float, peak: float) -> int:
+def log_call(run: RunContext, bar, step: int, metrics: dict, elapsed: float, peak: float) -> int:
     """Logs a call's steps (metrics.jsonl, wandb, the bar); returns the step reached."""
     t, n = run.cfg.train, len(metrics["loss"])
     tokens_per_s = n * t.batch_size * t.seq_len / elapsed
@@ -198,16 +196,7 @@ def number(x) -> float | None:
     return float(x) if np.isfinite(x) else None
 
 
-def rows_consumed_or_none(run: TrainingRun) -> int | None:
-    """Rows of the global permutation read so far (None with Grain worker processes: position kept exactly
-    by Grain's own state, but it cannot be regrouped)."""
-    try:
-        return rows_consumed(run.train_iter, run.cfg.train.batch_size)
-    except UserError:
-        return None
-
-
-def make_evaluator(run: TrainingRun):
+def make_evaluator(run: RunContext):
     """The loop's periodic evaluation: validation loss on the same batches every time, logged and plotted."""
     cfg, evaluator = run.cfg, run.program.evaluator
     val = val_dataset(run.corpus, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
@@ -226,10 +215,10 @@ def make_evaluator(run: TrainingRun):
     return evaluate
 
 
-def benchmarks(run: TrainingRun, params, step: int, bar) -> None:
+def benchmarks(run: RunContext, params, step: int, bar) -> None:
     """train.eval_tasks at an evaluation: lm-eval through the same scorer as eval.py --tasks (one compile per
     padded shape for the whole run), into metrics.jsonl and wandb as eval/<task>/<metric>, and eval.json."""
-    from trainer.lm_eval_backend import evaluate_tasks
+    from trainer.eval.harness import evaluate_tasks  # lm-eval: the optional `eval` extra (checked at start-up)
 
     t, started = run.cfg.train, time.perf_counter()
     record = evaluate_tasks(run.program.evaluator, params, tasks=t.eval_tasks, include_path=t.include_path,

@@ -16,7 +16,7 @@ from flax import nnx
 from configs.base import Config
 from errors import CheckpointError, ConfigError
 from gpt2.hf import HFCheckpointError, config_from_hf, from_hf, hf_directory, read_hf_config
-from trainer.layout import ModelLayout
+from trainer.program.layout import ModelLayout
 
 # the GPT2Config fields a Hugging Face config.json describes (gpt2/hf.py: config_from_hf)
 ARCHITECTURE = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "layer_norm_epsilon")

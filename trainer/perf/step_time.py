@@ -26,178 +26,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections import defaultdict
-from functools import cached_property
 
 import numpy as np
 
-from trainer.metrics import PEAK_FLOPS
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    """A TPU generation's published figures (per chip)."""
-
-    name: str
-    peak_flops: float  # dense bf16 FLOP/s
-    hbm_bytes: int
-    hbm_bytes_per_s: float
-    ici_link_bytes_per_s: float  # one ICI link, one direction
-    host: tuple[int, int, int]  # chips per host, for jax.experimental.topologies
-    # libtpu's chip configuration: "megacore" makes a chip of two TensorCores (v4, v5p) one JAX device, as JAX
-    # requires for meshes on those chips (and as a v4-8's 4 chips run); "default" gives one device per core
-    chip_config: str = "default"
-
-    @property
-    def ring_bytes_per_s(self) -> float:
-        # a bidirectional ring along one mesh axis sends on two links at once (both directions of one torus dimension)
-        return 2 * self.ici_link_bytes_per_s
-
-
-# Cloud TPU documentation, "TPU v4" / "TPU v5e" / "TPU v5p" / "TPU v6e" pages (cloud.google.com/tpu/docs/v4, .../v5e,
-# .../v5p, .../v6e): HBM capacity and bandwidth per chip; bidirectional ICI bandwidth per chip over its ports
-# (v5e 400 GBps / 4 ports, v5p 1200 GBps / 6 ports, v6e 800 GBps / 4 ports -> 50, 100, 100 GB/s per port and
-# direction). The v4 page gives no ICI figure: 6 links of 400 Gbit/s (50 GB/s) per direction is from the TPU v4
-# paper (Jouppi et al., "TPU v4: An Optically Reconfigurable Supercomputer...", ISCA 2023, arXiv:2304.01433).
-# Peak bf16 FLOP/s: trainer/metrics.py's PEAK_FLOPS (the same pages).
-# HBM sizes stay in GiB as the AOT report has always compared them (the compiler reports 15.75 GiB usable on v5e).
-CHIPS = {
-    "v4": Chip("v4", PEAK_FLOPS["TPU v4"], 32 * 2**30, 1200e9, 50e9, (2, 2, 1), "megacore"),
-    "v5e": Chip("v5e", PEAK_FLOPS["TPU v5e"], 16 * 2**30, 819e9, 50e9, (2, 2, 1)),
-    "v5p": Chip("v5p", PEAK_FLOPS["TPU v5p"], 95 * 2**30, 2765e9, 100e9, (2, 2, 1), "megacore"),
-    "v6e": Chip("v6e", PEAK_FLOPS["TPU v6e"], 32 * 2**30, 1638e9, 100e9, (2, 2, 1)),
-}
+from trainer.hardware import CHIPS, Chip
+from trainer.perf.hlo import Computation, Instr, called, memory_space, mesh_axis, parse_hlo, replica_groups, trip_count
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-# ---------------------------------------------------------------------------------------------- the HLO text
-
-DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0}
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](?:\{([^}]*)\})?")
-_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+) \(.*\{$")
-_INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+) = (.*)$", re.DOTALL)  # DOTALL: a kernel's config spans lines
-
-
-@dataclasses.dataclass(frozen=True)
-class Array:
-    dtype: str
-    dims: tuple[int, ...]
-    memory_space: int  # 0 HBM; 1 VMEM; others are sync flags / SMEM
-
-    @property
-    def bytes(self) -> float:
-        return math.prod(self.dims) * DTYPE_BYTES.get(self.dtype, 4)
-
-
-def _arrays(shape: str) -> tuple[Array, ...]:
-    """Every array in a (possibly nested tuple) shape, flattened in order."""
-    out = []
-    for dtype, dims, layout in _ARRAY.findall(shape):
-        space = re.search(r"S\((\d+)\)", layout or "")
-        out.append(Array(dtype, tuple(int(d) for d in dims.split(",") if d), int(space.group(1)) if space else 0))
-    return tuple(out)
-
-
-@dataclasses.dataclass(frozen=True)
-class Instr:
-    name: str
-    opcode: str
-    arrays: tuple[Array, ...]  # the result (a tuple's elements flattened)
-    operands: tuple[str, ...]  # operand names; for a constant, its literal
-    attrs: str  # everything after the operands, metadata removed
-    is_root: bool
-
-    @property
-    def bytes(self) -> float:
-        return sum(a.bytes for a in self.arrays)
-
-    @property
-    def hbm_bytes(self) -> float:
-        return sum(a.bytes for a in self.arrays if a.memory_space == 0)
-
-    def attr(self, key: str) -> str | None:
-        m = re.search(rf"\b{key}=(%[\w.\-]+|\{{[^}}]*\}}|[^,\s]+)", self.attrs)
-        return m.group(1) if m else None
-
-
-def _matching(text: str, start: int) -> int:
-    """Index of the bracket closing text[start]."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] in "({[":
-            depth += 1
-        elif text[i] in ")}]":
-            depth -= 1
-            if depth == 0:
-                return i
-    raise ValueError(f"unbalanced HLO text: {text[start:start + 80]}")
-
-
-def _instr(line: str) -> Instr | None:
-    m = _INSTR.match(line)
-    if not m:
-        return None
-    root, name, rest = m.groups()
-    end = _matching(rest, 0) + 1 if rest.startswith("(") else rest.index(" ")
-    shape, rest = rest[:end], rest[end:].lstrip()
-    paren = rest.index("(")
-    close = _matching(rest, paren)
-    listed = re.sub(r"/\*.*?\*/", "", rest[paren + 1:close])  # drop /*index=5*/ markers
-    operands = tuple(o.strip().lstrip("%") for o in listed.split(",") if o.strip())
-    attrs = re.sub(r"metadata=\{[^}]*\}", "", rest[close + 1:])
-    return Instr(name, rest[:paren], _arrays(shape), operands, attrs, bool(root))
-
-
-@dataclasses.dataclass
-class Computation:
-    name: str
-    instrs: dict[str, Instr]  # in program order
-
-    @cached_property
-    def root(self) -> Instr:
-        return next(i for i in self.instrs.values() if i.is_root)
-
-    @cached_property
-    def users(self) -> dict[str, list[Instr]]:
-        users = defaultdict(list)
-        for i in self.instrs.values():
-            for o in i.operands:
-                users[o].append(i)
-        return users
-
-    def parameter(self, index: int) -> Instr:
-        return next(i for i in self.instrs.values() if i.opcode == "parameter" and i.operands == (str(index),))
-
-
-def parse_hlo(text: str) -> tuple[dict[str, Computation], str]:
-    """The computations of an HLO module's text, and the entry computation's name."""
-    comps, entry, current = {}, None, None
-    for line in _logical_lines(text):
-        header = _HEADER.match(line)
-        if header:
-            current = Computation(header.group(2), {})
-            comps[current.name] = current
-            entry = current.name if header.group(1) else entry
-        elif line == "}":
-            current = None
-        elif current is not None and (instr := _instr(line)):
-            current.instrs[instr.name] = instr
-    return comps, entry
-
-
-def _logical_lines(text: str) -> list[str]:
-    """The text's lines, with an instruction's continuation lines (a Mosaic kernel's backend_config spans
-    several) joined to it."""
-    lines = []
-    for line in text.splitlines():
-        starts = line == "}" or line.startswith(("  %", "  ROOT ", "%", "ENTRY ")) or not line.strip()
-        if starts or not lines:
-            lines.append(line)
-        else:
-            lines[-1] += "\n" + line
-    return lines
 
 
 # ---------------------------------------------------------------------------------------------- FLOPs
@@ -282,35 +117,6 @@ class Collective:
                 f" {self.seconds * 1e3:.2f} ms")
 
 
-def replica_groups(attrs: str, devices: int) -> list[list[int]]:
-    """The device groups of a collective, from any of HLO's three spellings."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
-    if m:  # mesh['axis_0'=8,'axis_1'=1] {'axis_0'}: an iota of device ids shaped like that mesh
-        names = re.findall(r"'(\w+)'=(\d+)", m.group(1))
-        grouped = re.findall(r"'(\w+)'", m.group(2))
-        ids = np.arange(devices).reshape([int(s) for _, s in names])
-        axes = [i for i, (n, _) in enumerate(names) if n in grouped]
-        rest = [i for i in range(len(names)) if i not in axes]
-        return ids.transpose(rest + axes).reshape(-1, math.prod(ids.shape[i] for i in axes)).tolist()
-    m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
-    if m:  # [groups, size]<=[reshape]T(perm): iota, reshaped, transposed, cut into rows
-        shape, reshape = [int(x) for x in m.group(1).split(",")], [int(x) for x in m.group(2).split(",")]
-        ids = np.arange(math.prod(reshape)).reshape(reshape)
-        if m.group(3):
-            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        return ids.reshape(-1, shape[-1]).tolist()
-    m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[0-9,]*\},?)*)\}", attrs)
-    groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))] if m else []
-    return [g for g in groups if g] or [list(range(devices))]
-
-
-def mesh_axis(groups: list[list[int]], mesh_shape: dict[str, int]) -> str:
-    """The mesh axes along which a group's devices differ (device id i is position i of the mesh, row-major)."""
-    coords = np.stack(np.unravel_index(np.asarray(groups), tuple(mesh_shape.values())), -1)  # [groups, size, axes]
-    varies = (coords != coords[:, :1]).any(axis=(0, 1))
-    return "+".join(name for name, v in zip(mesh_shape, varies) if v) or "none"
-
-
 def collective_seconds(kind: str, n: int, nbytes: float, chip: Chip) -> float:
     if kind == "collective-permute":
         return nbytes / chip.ici_link_bytes_per_s
@@ -378,11 +184,11 @@ class _Walker:
         if code == "while":
             return self.loop(instr, comp)
         if code == "conditional":  # the most expensive branch: the train call's "active" one is the whole step
-            return max((self.computation(b) for b in _called(instr, "branch_computations", "true_computation",
+            return max((self.computation(b) for b in called(instr, "branch_computations", "true_computation",
                                                               "false_computation")),
                        key=lambda c: c.roofline_s + c.collective_s, default=Cost())
         if code in ("call", "async-start"):
-            return self.computation(_called(instr, "to_apply", "calls")[0])
+            return self.computation(called(instr, "to_apply", "calls")[0])
         if code.removesuffix("-done") in COLLECTIVES and code.endswith("-done"):
             return self.collective(instr, comp.instrs[instr.operands[0]])
         if code in COLLECTIVES:
@@ -393,7 +199,7 @@ class _Walker:
             return Cost()
         cost = self.roofline(instr, comp)
         if code == "fusion":
-            cost.add(self.fused_collectives(_called(instr, "calls")[0]))
+            cost.add(self.fused_collectives(called(instr, "calls")[0]))
         return cost
 
     def fused_collectives(self, name: str) -> Cost:
@@ -405,7 +211,7 @@ class _Walker:
                 kind = "reduce-scatter" if name.startswith("all-reduce-scatter") else None
                 cost.add(self.collective(instr, instr, kind=kind))
             elif instr.opcode == "fusion":
-                cost.add(self.fused_collectives(_called(instr, "calls")[0]))
+                cost.add(self.fused_collectives(called(instr, "calls")[0]))
         return cost
 
     def roofline(self, instr: Instr, comp: Computation) -> Cost:
@@ -427,7 +233,7 @@ class _Walker:
         if instr.opcode == "dot":
             return dot_flops(instr, comp)
         if instr.opcode == "fusion":
-            name = _called(instr, "calls")[0]
+            name = called(instr, "calls")[0]
             if name not in self._flops:
                 fused = self.comps[name]
                 self._flops[name] = sum(self.flops(i, fused) for i in fused.instrs.values())
@@ -442,7 +248,7 @@ class _Walker:
         if code == "slice-start":  # ((source), destination, context)
             return a[1].bytes * ((a[0].memory_space == 0) + (a[1].memory_space == 0))
         if code == "dynamic-slice":  # reads only the slice
-            return a[0].bytes * ((_space(comp, instr.operands[0]) == 0) + (a[0].memory_space == 0))
+            return a[0].bytes * ((memory_space(comp, instr.operands[0]) == 0) + (a[0].memory_space == 0))
         if code == "dynamic-update-slice":  # in place: reads and writes only the update
             update = comp.instrs[instr.operands[1]].arrays[0]
             return update.bytes * ((update.memory_space == 0) + (a[0].memory_space == 0))
@@ -451,7 +257,7 @@ class _Walker:
         return instr.hbm_bytes + sum(comp.instrs[o].hbm_bytes for o in instr.operands if o in comp.instrs)
 
     def fusion_bytes(self, instr: Instr, comp: Computation) -> float:
-        fused = self.comps[_called(instr, "calls")[0]]
+        fused = self.comps[called(instr, "calls")[0]]
         reads = sum(self.param_read_bytes(fused, fused.parameter(i))
                     for i in range(len(instr.operands)) if fused.parameter(i).hbm_bytes)
         root = fused.root
@@ -472,7 +278,7 @@ class _Walker:
             elif user.opcode == "bitcast":
                 read += self.param_read_bytes(comp, user)
             elif user.opcode == "fusion":
-                nested = self.comps[_called(user, "calls")[0]]
+                nested = self.comps[called(user, "calls")[0]]
                 read += self.param_read_bytes(nested, nested.parameter(user.operands.index(value.name)))
             else:
                 return value.bytes
@@ -496,7 +302,7 @@ class _Walker:
     def loop(self, instr: Instr, comp: Computation) -> Cost:
         trips = trip_count(instr, comp, self.comps)
         cost = Cost()
-        cost.add(self.computation(_called(instr, "body")[0]), trips or 1)
+        cost.add(self.computation(called(instr, "body")[0]), trips or 1)
         cost.unknown_loops += trips is None
         return cost
 
@@ -527,57 +333,12 @@ def splash_flops(instr: Instr, comp: Computation) -> float:
     return 2.0 * matmuls * b * h * blocks * bq * bkv * K
 
 
-def _called(instr: Instr, *keys: str) -> list[str]:
-    names = []
-    for key in keys:
-        value = instr.attr(key)
-        names += [n.strip().lstrip("%") for n in value.strip("{}").split(",")] if value else []
-    return names
-
-
-def _space(comp: Computation, name: str) -> int:
-    return comp.instrs[name].arrays[0].memory_space if name in comp.instrs else 0
-
-
 def _written_bytes(element: Instr, fused: Computation) -> float:
     in_place = element.opcode in ("dynamic-update-slice", "scatter")
     if in_place and fused.instrs[element.operands[0]].opcode == "parameter":
         update = element.operands[1 if element.opcode == "dynamic-update-slice" else 2]
         return fused.instrs[update].bytes  # only the update is written
     return element.bytes
-
-
-def trip_count(instr: Instr, comp: Computation, comps: dict[str, Computation]) -> int | None:
-    """A while loop's trip count: libtpu's `known_trip_count` if given, else read off `i < N` in its condition."""
-    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
-    if known:
-        return int(known.group(1))
-    cond = comps[_called(instr, "condition")[0]]
-    root = cond.root
-    direction = re.search(r"direction=(\w+)", root.attrs)
-    if root.opcode != "compare" or not direction or len(root.operands) != 2:
-        return None
-    lhs, rhs = (cond.instrs.get(o) for o in root.operands)
-    if not (lhs and rhs and lhs.opcode == "get-tuple-element" and rhs.opcode == "constant"):
-        return None
-    bound, index = int(rhs.operands[0]), int(lhs.attr("index"))
-    start = _initial_value(instr, comp, index)
-    extra = {"LT": 0, "LE": 1, "NE": 0}.get(direction.group(1))
-    return None if extra is None else max(bound - start + extra, 0)
-
-
-def _initial_value(instr: Instr, comp: Computation, index: int) -> int:
-    """The loop counter's start, when it is a literal in the while's operand tuple; scans start at 0."""
-    init = comp.instrs.get(instr.operands[0])
-    value = comp.instrs.get(init.operands[index]) if init and init.opcode == "tuple" else None
-    while value is not None and value.opcode == "copy":
-        value = comp.instrs.get(value.operands[0])
-    if value is not None and value.opcode == "constant":
-        try:
-            return int(value.operands[0])
-        except ValueError:
-            pass
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------- the estimate
@@ -708,3 +469,4 @@ def estimate_hlo(text: str, chip: Chip | str, mesh_shape: dict[str, int], *, ste
         model_flops=model_flops_per_step, opaque_kernels=cost.opaque_kernels / k, unknown_loops=cost.unknown_loops,
         memory_bound_s=cost.memory_bound_s / k,
     )
+

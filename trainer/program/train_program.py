@@ -17,10 +17,10 @@ from configs.base import Config
 from gpt2.model import GPT2, next_token_loss
 from gpt2.sharded_init import create_sharded_model
 from gpt2.sharding import ShardingRules
-from trainer.evaluation import Evaluator
-from trainer.layout import ModelLayout
-from trainer.optim import lr_schedule, make_optimizer
-from trainer.spike_guard import all_finite, init_stats, is_outlier, update_stats
+from trainer.program.eval_call import Evaluator
+from trainer.program.layout import ModelLayout
+from trainer.program.optimizer import lr_schedule, make_optimizer
+from trainer.program.spike_guard import all_finite, init_stats, is_outlier, update_stats
 
 # {"params": nnx.State, "opt_state": optax state, "step": int32[], "rng": key, and with guard.skip_spikes
 #  "guard": the spike guard's running statistics}

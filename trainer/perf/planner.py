@@ -23,8 +23,12 @@ import math
 import time
 from typing import Callable, Iterable
 
+import jax
+from tqdm.auto import tqdm
+
 from configs.base import Config
 from errors import ConfigError
+from trainer.perf.aot import DoesNotFit, chip_of, compile_for_topology, topology_devices
 
 # The axes in the order the descent visits them, those that change a step's largest costs first (per-micro-batch
 # gradient collectives and overheads, recomputation, the scan's saved activations), so that a search cut short
@@ -238,8 +242,6 @@ class Search:
 
 def compile_candidate(topology: str) -> Compile:
     """Compiles a candidate for `topology` (steps_per_call=1) into an Outcome; failures become rows."""
-    from trainer.aot import DoesNotFit, compile_for_topology
-
     def compile(cfg: Config, changes: Changes) -> Outcome:
         cfg = apply(cfg, [("train.steps_per_call", 1)])
         start = time.monotonic()
@@ -253,8 +255,6 @@ def compile_candidate(topology: str) -> Compile:
             return Outcome(changes, False, None, None, None, "-", time.monotonic() - start,
                            f"{type(e).__name__}: {text[0] if text else ''}"[:200])
         finally:
-            import jax
-
             jax.clear_caches()  # each candidate's executables are not needed again
         e = r.step_time
         return Outcome(changes, r.fits, float(r.total_bytes), e.predicted_s, e.predicted_mfu, e.bottleneck,
@@ -266,10 +266,6 @@ def compile_candidate(topology: str) -> Compile:
 def plan(preset_name: str, cfg: Config, topology: str, *, budget_s: float, compile: Compile | None = None,
          show_progress: bool = True) -> Plan:
     """Searches candidates around `cfg` for `topology`; `compile` defaults to compiling through libtpu."""
-    from tqdm.auto import tqdm
-
-    from trainer.aot import chip_of, topology_devices
-
     chip_of(topology)  # an unknown generation is one line, before anything compiles
     devices = len(topology_devices(topology)) if compile is None else _devices(topology)
     cfg = _resolved(cfg, devices)
@@ -341,8 +337,6 @@ def text(p: Plan, hbm_bytes: float) -> str:
 
 def run_plan(name: str, cfg: Config, topology: str, budget: str | None) -> int:
     """`train.py --config NAME --plan TOPOLOGY [--plan_budget SECONDS]`: prints the plan's table."""
-    from trainer.aot import chip_of
-
     p = plan(name, cfg, topology, budget_s=budget_seconds(budget))
     print(text(p, chip_of(topology)[1].hbm_bytes))
     if not p.outcomes[p.best].fits:

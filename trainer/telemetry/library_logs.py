@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Iterator
 
 import jax
+from absl import logging as absl_logging
 
-from trainer.run_dir import append, is_remote, oserror_reason, warn
+from errors import warn
+from trainer.storage.files import append, is_remote, oserror_reason
 
 
 @contextlib.contextmanager
@@ -26,8 +28,6 @@ def library_logs_to(directory) -> Iterator[None]:
     directory instead, said at exit; one that cannot be written (full disk) is dropped silently. On cloud storage
     the records go to a local temporary file that is appended to the log object at exit (a process killed
     with -9 leaves it in the temporary directory instead)."""
-    from absl import logging as absl_logging
-
     name = f"process_{jax.process_index()}.log"
     local, failing = None, False
     elsewhere = os.path.join(tempfile.gettempdir(), f"gpt2-nnx-{os.getpid()}-{name}")  # made at the first record

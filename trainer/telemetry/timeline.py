@@ -1,30 +1,22 @@
-"""Goodput: where a run's wall-clock time went, across every attempt (a start, a preemption, a crash, a restart).
-
-    python -m trainer.goodput runs/shakespeare_cpu        # the report of any run directory, any time
-
-Process 0 appends one record per event to `<run_dir>/events.jsonl`, which nothing truncates: an attempt's start
-(the process's own start time) and end (finished, preempted, stopped, failed; a start without an end was a
-crash), each interval of work (start-up, distributed init, restore, data wait, evaluation, checkpoint saves
-as Orbax measures their blocking part, sampling, rollback, finishing), each train call with its step range and
-its time on the critical path, and each compilation from JAX's own monitoring events (with whether the
-persistent cache answered it).
-
-The report replays them: a train call's steps are lost when a later attempt restores, or a rollback returns to,
-a checkpoint before them; goodput is the time of the train calls whose steps survive into the final trajectory
-(less the steps the spike guard skipped) over the wall time, from the first attempt's start to the last record.
+"""The timeline of an attempt: process 0 appends one record per event to `<run_dir>/events.jsonl`, which nothing
+truncates — an attempt's start (the process's own start time) and end (finished, preempted, stopped, failed; a
+start without an end was a crash), each interval of work (start-up, distributed init, restore, data wait,
+evaluation, checkpoint saves as Orbax measures their blocking part, sampling, rollback, finishing), each train
+call with its step range and its time on the critical path, and each compilation from JAX's own monitoring events
+(with whether the persistent cache answered it). trainer/telemetry/goodput.py replays them into the report.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import os
 import socket
-import sys
 import time
 
-from errors import one_line_errors
+import jax
+
+from trainer.processes import is_process_0
+from trainer.storage.files import storage_errors
 
 EVENTS = "events.jsonl"
 
@@ -80,8 +72,6 @@ class Timeline:
             self._write()
 
     def _write(self) -> None:
-        from trainer.run_dir import storage_errors
-
         with storage_errors("write", self.log.path):
             for line in self.pending:
                 self.log.write(line)
@@ -97,8 +87,6 @@ class Timeline:
         finally:  # the file is closed even when the disk is full (the record then fails, said elsewhere)
             log, self.run_dir, self.log = self.log, None, None
             if log is not None:
-                from trainer.run_dir import storage_errors
-
                 with storage_errors("write", log.path):
                     log.close()
 
@@ -172,8 +160,6 @@ def open_timeline(run_dir, entered: float, joined: float, flush_every: float = 3
     """This attempt's timeline: on process 0 for the run's events.jsonl (numbered after the attempts already
     there), with the start-up before `entered` (imports) and the distributed init until `joined`;
     elsewhere a timeline that records nothing."""
-    from trainer.processes import is_process_0
-
     if not is_process_0():
         return Timeline()
     records = run_dir.read_events(say_torn=False)  # commit's open_events repairs a torn line and says so
@@ -207,8 +193,6 @@ _current: list[Timeline] = []  # the timeline JAX's events go to (listeners cann
 def listen_to_jax(timeline: Timeline) -> None:
     """Sends JAX's compile events to `timeline` from now on."""
     if not _current:
-        import jax
-
         jax.monitoring.register_event_listener(lambda event, **kw: _current[-1].on_jax_event(event, **kw))
         jax.monitoring.register_event_time_span_listener(
             lambda event, start, end, **kw: _current[-1].on_jax_span(event, start, end, **kw))
@@ -229,157 +213,3 @@ class OrbaxSaveTimes:
             seconds = entry.get("checkpoint_manager_blocking_duration_secs")
             if start is not None and seconds is not None:
                 self.timeline.interval("checkpoint", start, start + seconds, step=entry.get("step"))
-
-
-# ---- the report --------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Report:
-    wall: float = 0.0  # first attempt's start to the last record, seconds
-    attempts: list[dict] = dataclasses.field(default_factory=list)  # how each ended
-    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # by category
-    good_steps: int = 0
-    lost_steps: int = 0
-    skipped_steps: int = 0
-    compiles: list[dict] = dataclasses.field(default_factory=list)
-
-    @property
-    def goodput(self) -> float:
-        return self.seconds.get("train", 0.0) / self.wall if self.wall else 0.0
-
-    @property
-    def unaccounted(self) -> float:
-        return self.wall - sum(self.seconds.values())
-
-    def text(self) -> str:
-        ends = ", ".join(f"{a['attempt']}: {a['how']}" for a in self.attempts)
-        lines = [f"goodput  {self.goodput:.1%} of {_duration(self.wall)} wall time over {len(self.attempts)}"
-                 f" attempt(s) ({ends}); {self.good_steps:,} steps kept, {self.lost_steps:,} lost,"
-                 f" {self.skipped_steps:,} skipped"]
-        for name, value in sorted(self.seconds.items(), key=lambda kv: -kv[1]):
-            if value > 0:
-                lines.append(f"  {name:<17}{_duration(value):>10}  {value / self.wall:6.1%}")
-        lines.append(f"  {'unaccounted':<17}{_duration(self.unaccounted):>10}  {self.unaccounted / self.wall:6.1%}"
-                     "  (host work between the recorded intervals)")
-        programs = sum(sum(c.get("programs", {}).values()) for c in self.compiles)
-        hits = sum(sum(c.get("cache_hits", {}).values()) for c in self.compiles)
-        if programs:
-            lines.append(f"  compiles: {programs} programs, {hits} loaded from the persistent cache")
-        return "\n".join(lines)
-
-    def summary(self) -> dict[str, float]:
-        """Flat figures for wandb's run summary."""
-        figures = {"goodput/goodput": self.goodput, "goodput/wall_s": self.wall,
-                   "goodput/lost_steps": self.lost_steps, "goodput/attempts": len(self.attempts)}
-        figures.update({f"goodput/{name}_s": value for name, value in self.seconds.items()})
-        return figures
-
-
-def _duration(seconds: float) -> str:
-    h, rest = divmod(max(seconds, 0.0), 3600)
-    return f"{int(h)}h{int(rest // 60):02d}m{rest % 60:04.1f}s" if h else f"{rest // 60:.0f}m{rest % 60:04.1f}s"
-
-
-def report(records: list[dict]) -> Report:
-    """Replays events.jsonl's records (in file order) into a Report."""
-    out, live = Report(), []  # live: train calls whose steps are still in the trajectory
-    seconds: dict[str, float] = {name: 0.0 for name in ("train", "lost", "skipped", "compile", "restart_gap",
-                                                        *INTERVALS)}
-    starts = [r for r in records if r["event"] == "attempt_start"]
-    if not starts:
-        return out
-    compiles = [r for r in records if r["event"] == "interval" and r["kind"] == "compile"]
-    last_end = starts[0]["time"]
-    for r in records:
-        if r["event"] == "attempt_start" and r["attempt"] > 1:
-            seconds["restart_gap"] += max(0.0, r["time"] - last_end)
-        elif r["event"] in ("restored", "rolled_back"):
-            out.lost_steps += _drop_after(live, r["step"], seconds)
-        elif r["event"] == "train_call":  # the first call's dispatch compiles: that is compile time
-            span = {"start": r.get("start", r["end"] - r["seconds"]), "end": r["end"]}  # older files: no start
-            excluded = [{"start": r["excluded"][0], "end": r["excluded"][1]}] if "excluded" in r else []
-            live.append({**r, "seconds": _outside(span, compiles + excluded)})
-        elif r["event"] == "interval" and r["kind"] != "compile":
-            seconds[r["kind"]] = seconds.get(r["kind"], 0.0) + _outside(r, compiles)
-        last_end = max(last_end, r.get("end", r.get("time", last_end)))
-    for call in live:
-        share = call["seconds"] * call["skipped"] / call["steps"]
-        seconds["skipped"] += share
-        seconds["train"] += call["seconds"] - share
-        out.good_steps += call["steps"] - call["skipped"]
-        out.skipped_steps += call["skipped"]
-    seconds["compile"] = _union(compiles)
-    out.wall = last_end - starts[0]["time"]
-    out.seconds = seconds
-    out.compiles = compiles
-    out.attempts = _attempts(records)
-    return out
-
-
-def _drop_after(live: list[dict], step: int, seconds: dict) -> int:
-    """Takes the steps after `step` out of the trajectory (a restore or rollback to it); returns how many."""
-    lost = 0
-    for call in list(live):
-        end = call["first"] + call["steps"]
-        if end <= step:
-            continue
-        gone = end - max(call["first"], step)
-        seconds["lost"] += call["seconds"] * gone / call["steps"]
-        lost += gone
-        if call["first"] >= step:
-            live.remove(call)
-        else:  # a call straddling the checkpoint (not one the loop makes): keep its surviving share
-            kept = call["steps"] - gone
-            call.update(seconds=call["seconds"] * kept / call["steps"], steps=kept,
-                        skipped=min(call["skipped"], kept))
-    return lost
-
-
-def _outside(interval: dict, others: list[dict]) -> float:
-    """An interval's seconds less the parts of it the `others` (compilations: compile time) cover."""
-    start, end = interval["start"], interval["end"]
-    inside = [(max(start, c["start"]), min(end, c["end"])) for c in others if c["start"] < end and c["end"] > start]
-    return max(0.0, end - start - _union([{"start": a, "end": b} for a, b in inside]))
-
-
-def _union(spans: list[dict]) -> float:
-    """Seconds covered by the spans (counted once where they overlap)."""
-    total, reach = 0.0, float("-inf")
-    for s in sorted(spans, key=lambda s: s["start"]):
-        start, end = max(s["start"], reach), s["end"]
-        if end > start:
-            total += end - start
-        reach = max(reach, end)
-    return total
-
-
-def _attempts(records: list[dict]) -> list[dict]:
-    ended = {r["attempt"]: r["how"] for r in records if r["event"] == "attempt_end"}
-    return [{"attempt": r["attempt"], "how": ended.get(r["attempt"], "crashed")}
-            for r in records if r["event"] == "attempt_start"]
-
-
-def read_events(run_dir) -> list[dict]:
-    from trainer.run_dir import RunDir
-
-    return RunDir(run_dir).read_events()
-
-
-@one_line_errors
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.goodput", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", help="a run directory (local or gs://)")
-    parser.add_argument("--json", action="store_true", help="the figures as one JSON object")
-    args = parser.parse_args(argv)
-    result = report(read_events(args.run_dir))
-    if not result.attempts:
-        from errors import StorageError
-
-        raise StorageError(f"{args.run_dir}: no {EVENTS} (a run directory written by train.py records one)")
-    print(json.dumps({**result.summary(), "attempts": result.attempts}) if args.json else result.text())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

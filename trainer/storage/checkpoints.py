@@ -3,13 +3,15 @@ position, corpus identity).
 
 Orbax writes each step into a temporary directory and renames it when complete (on GCS, which cannot rename,
 it writes `<step>/commit_success.txt` last), so `all_steps()` only ever sees whole checkpoints; a run killed
-mid-save restarts from the previous one. A checkpoint that is complete
-but damaged afterwards (a truncated or deleted file, garbled metadata, a foreign directory) is moved aside
-by `restore_latest`, which then falls back to the newest one that restores.
+mid-save restarts from the previous one. A checkpoint that is complete but damaged afterwards (a truncated or
+deleted file, garbled metadata, a foreign directory) is moved aside by `restore_latest`, which then falls back to
+the newest one that restores. A save that fails (a full disk, an I/O error) ends the run in one line naming the
+directory (`save_errors`), after the saves in flight have finished or failed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -21,11 +23,12 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from configs import from_dict
 from configs.base import CheckpointConfig, Config
-from errors import CheckpointError, DataError, UserError, first_line
-from data.loader import position_file, restore_position, rows_consumed, seek
-from trainer.run_dir import absolute, move, storage_errors, warn
+from errors import CheckpointError, TrainingError, UserError, first_line, warn
 from trainer.processes import all_agree, barrier, end_job, is_process_0
+from trainer.storage.files import absolute, move, storage_errors, storage_exceptions
+from trainer.storage.retries import outage_note
 
 STATE, DATA, META = "state", "data", "meta"
 DAMAGED = "checkpoints.damaged"  # beside checkpoints/: where unreadable checkpoints are moved, never deleted
@@ -93,19 +96,15 @@ class Checkpoints:
             raise CheckpointDamaged(f"{self.path(step)}: metadata holds no config")
         return meta
 
-    def restore(self, step: int, abstract_state: Any, iterator=None) -> Any:
-        """The state (onto the shardings in `abstract_state`: any mesh and device count) and, if given, the
-        iterator in place: through Grain's handler when the process count is unchanged, otherwise from
-        process 0's position, which is the same number for every process count."""
-        args = {STATE: ocp.args.StandardRestore(abstract_state)}
-        data_dir = self.path(step) / DATA
-        own_file = position_file(data_dir, jax.process_index(), jax.process_count())
-        if iterator is not None and own_file.exists():
-            args[DATA] = grain.checkpoint.CheckpointRestore(iterator)
-        state = self.manager.restore(step, args=ocp.args.Composite(**args))[STATE]
-        if iterator is not None and not own_file.exists():
-            restore_position(data_dir, iterator)
-        return state
+    def restore(self, step: int, abstract_state: Any) -> Any:
+        """The state, onto the shardings in `abstract_state` (any mesh and device count)."""
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state)})
+        return self.manager.restore(step, args=args)[STATE]
+
+    def restore_iterator(self, step: int, iterator) -> None:
+        """The Grain iterator set in place from this process's own saved state (the data position's owner,
+        trainer/run/data_position.py, decides when that is the one to use)."""
+        self.manager.restore(step, args=ocp.args.Composite(**{DATA: grain.checkpoint.CheckpointRestore(iterator)}))
 
     def restore_latest(self, attempt: Callable[[int, dict], Any]) -> tuple[int, dict, Any] | None:
         """(step, meta, attempt(step, meta)) for the newest checkpoint that restores, or None when there is none.
@@ -218,7 +217,15 @@ class CheckpointMismatch(CheckpointError):
     """The checkpoint is intact but does not fit this run's config (model shape, data order, corpus)."""
 
 
-# ---- what a checkpoint must agree on with the run resuming it ---------------------------------------
+def config_from_meta(meta: dict, where) -> Config:
+    """Rebuilds the run's Config from a checkpoint's metadata."""
+    try:
+        return from_dict(meta["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: metadata holds no usable config ({e})") from None
+
+
+# ---- whether a checkpoint fits this model -------------------------------------------------------------
 
 
 def check_compatible(saved: dict, config: Config, where) -> None:
@@ -240,65 +247,35 @@ def check_compatible(saved: dict, config: Config, where) -> None:
         raise CheckpointMismatch(f"{where}: checkpoint does not fit this model: " + "; ".join(diffs))
 
 
-def check_same_data(saved: dict, config: Config, corpus: dict, where) -> None:
-    """Refuses to resume on other data: another corpus, window length or shuffle seed reads other rows."""
-    train, data = saved.get("config", {}).get("train", {}), saved.get("config", {}).get("data", {})
-    for key, old, new in (("train.seq_len", train.get("seq_len"), config.train.seq_len),
-                          ("data.seed", data.get("seed"), config.data.seed)):
-        if old != new:
-            raise CheckpointMismatch(f"{where}: checkpoint was trained with {key}={old!r}, this run has {new!r},"
-                                     " which reads other data; keep the value or start a new --run_dir")
-    if "corpus" in saved and saved["corpus"] != corpus:
-        raise CheckpointMismatch(
-            f"{where}: checkpoint was trained on another corpus (data.dataset={data.get('dataset')!r}, now"
-            f" {config.data.dataset!r}); its data position means nothing there: resume on the same corpus, or"
-            " start a new --run_dir")
+# ---- checkpoint writes that fail ------------------------------------------------------------------
 
 
-def check_same_schedule(saved: dict, config: Config, where) -> None:
-    """Refuses a resume that would change the learning-rate schedule, unless train.reschedule is set."""
-    if config.train.reschedule:
-        return
-    old = saved.get("config", {})
-    o, t = old.get("optim", {}), old.get("train", {})
-    if not o or "steps" not in t:
-        return
-    before = {"optim.lr": o.get("lr"), "optim.min_lr_ratio": o.get("min_lr_ratio"),
-              "optim.warmup_steps": o.get("warmup_steps"), "decay": o.get("decay_steps") or t.get("steps")}
-    c = config.optim
-    now = {"optim.lr": c.lr, "optim.min_lr_ratio": c.min_lr_ratio, "optim.warmup_steps": c.warmup_steps,
-           "decay": c.decay_steps or config.train.steps}
-    changed = [k for k in before if before[k] != now[k]]
-    if changed:
-        name = {"decay": "optim.decay_steps (train.steps when unset)"}
-        fields = "; ".join(f"{name.get(k, k)}: {before[k]} -> {now[k]}" for k in changed)
-        keep = (f"keep the old values (to extend a run on its old schedule: --optim.decay_steps={before['decay']})"
-                if "decay" in changed else "keep the old values")
-        raise CheckpointMismatch(f"{where}: resuming would change the learning-rate schedule ({fields}); {keep},"
-                                 " or pass --train.reschedule=True to accept the change")
+class SaveFailed(TrainingError):
+    """Writing a checkpoint failed (disk full, I/O error)."""
+
+    abandon_threads = True  # Orbax's writer threads are mid-failure; nothing is left worth flushing
 
 
-def realign_data(saved: dict, config: Config, iterator, where) -> None:
-    """Carries the restored data position over to this run's batch size (rows consumed are kept).
-
-    Checkpoints record the rows of the global permutation they consumed (`data_rows`); older ones counted
-    elements of steps_per_call × batch_size rows.
-    """
-    batch = config.train.batch_size
-    train = saved.get("config", {}).get("train", {})
+@contextlib.contextmanager
+def save_errors(ckpt: Checkpoints):
+    """A failed checkpoint write (disk full, I/O error, permissions) becomes one line. Asynchronous writes
+    report their failure at the next save or wait, so both go through here."""
     try:
-        if "data_rows" in saved:
-            if train.get("batch_size") == batch:
-                return  # the restored iterator is already there
-            if saved["data_rows"] is None:
-                raise DataError("the data position of a run with Grain worker processes cannot be regrouped;"
-                                f" keep train.batch_size={train.get('batch_size')}")
-            rows = saved["data_rows"]
-        else:
-            if not isinstance(train.get("steps_per_call"), int) or not isinstance(train.get("batch_size"), int):
-                raise CheckpointError(f"{where}: checkpoint metadata lacks train.steps_per_call /"
-                                      " train.batch_size, so its data position cannot be read; start a new --run_dir")
-            rows = rows_consumed(iterator, train["steps_per_call"] * train["batch_size"])
-        seek(iterator, rows, batch)
-    except DataError as e:
-        raise CheckpointMismatch(f"{where}: {e}") from None
+        yield
+    except (ValueError, RuntimeError, *storage_exceptions()) as e:
+        if isinstance(e, UserError):
+            raise
+        raise SaveFailed(f"could not save checkpoint in {ckpt.directory}: {first_line(e)}{outage_note()}") from None
+
+
+@contextlib.contextmanager
+def finishing_saves(ckpt: Checkpoints):
+    """A run stopped by a user-facing error (divergence, a bad token id, a full disk at metrics.jsonl)
+    first lets the checkpoint writes in flight finish, so none is abandoned half-written."""
+    try:
+        yield
+    except UserError as e:
+        if not isinstance(e, SaveFailed):
+            with contextlib.suppress(Exception):
+                ckpt.wait()
+        raise

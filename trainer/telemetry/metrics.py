@@ -4,94 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import netrc
 import os
-import time
-
-import jax
-import numpy as np
 
 from configs.base import Config
 from trainer.processes import is_process_0
-from trainer.run_dir import RunDir, storage_errors
-
-# Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets.
-PEAK_FLOPS = {
-    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12, "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12, "TPU v6e": 918e12,
-    "NVIDIA H100": 989e12, "NVIDIA A100": 312e12,
-}
-
-
-PEAK_CACHE = "~/.cache/gpt2_nnx/cpu_peak_flops.json"
-
-
-def peak_flops_per_device(override: float | None) -> float:
-    """The config's value, a known accelerator's spec, or (CPU) this machine's float32 matmul peak.
-
-    The CPU peak is the best measured on this machine (CPU model, core count, JAX version), kept in PEAK_CACHE
-    so that MFU compares across runs: timed afresh at each start-up on a busy machine it swung by tens of
-    percent, and a first measurement made under load (a test suite on every core) was 30× too low.
-    """
-    if override:
-        return override
-    kind = jax.devices()[0].device_kind
-    for name, flops in PEAK_FLOPS.items():
-        if kind.startswith(name):
-            return flops
-    return cpu_peak_flops() / jax.local_device_count()
-
-
-def cpu_peak_flops() -> float:
-    from etils import epath
-
-    from trainer.run_dir import atomic_write
-
-    path = epath.Path(os.path.expanduser(PEAK_CACHE))
-    key = f"{_cpu_model()} | {os.cpu_count()} cores | jax {jax.__version__}"
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    cache = cache if isinstance(cache, dict) else {}
-    known = cache.get(key) if isinstance(cache.get(key), (int, float)) else None
-    if known is not None and jax.process_index() > 0:  # process 0 logs MFU; the others need not slow it
-        return float(known)
-    measured = measure_matmul_peak(repeats=10 if known is None else 3)  # ~0.3 s on 2 cores once known
-    if known is None or measured > known:  # a busy machine only ever measures too low: keep the best
-        cache[key] = measured
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, json.dumps(cache, indent=2))
-        except OSError:
-            pass  # an unwritable cache only costs the measurement next time
-    return float(cache[key])
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
-def measure_matmul_peak(n: int = 2048, dtype=np.float32, repeats: int = 5) -> float:
-    """Best-of-`repeats` FLOP/s of an n×n matmul on the default backend (all its threads)."""
-    import jax.numpy as jnp
-
-    a = jnp.ones((n, n), dtype)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+from trainer.storage.files import storage_errors
+from trainer.storage.run_dir import RunDir
 
 
 def resolve_wandb_mode(requested: str) -> str:
@@ -107,7 +26,7 @@ def init_wandb(run_dir: RunDir, mode: str, *, project: str, name: str, run_id: s
     storage: under its local directory, RunDir.local); None when disabled."""
     if mode == "disabled":
         return None
-    import wandb
+    import wandb  # heavy (~1 s): imported only by a run that logs to it
 
     run_dir.local.mkdir(parents=True, exist_ok=True)
     return wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(run_dir.local), mode=mode,
@@ -164,7 +83,7 @@ class MetricsLogger:
         """runs/<name>/loss.png: training loss per step and validation loss per evaluation."""
         if not self.active or not self.history:
             return
-        import matplotlib
+        import matplotlib  # heavy (~0.5 s): imported only when there is a curve to draw
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -201,8 +120,6 @@ class MetricsLogger:
 
 
 def _netrc_has_wandb() -> bool:
-    import netrc
-
     try:
         return netrc.netrc().authenticators("api.wandb.ai") is not None
     except (FileNotFoundError, netrc.NetrcParseError):

@@ -1,0 +1,1 @@
+"""Evaluation runs (`eval.py`): the driver, text samples, and lm-evaluation-harness tasks."""

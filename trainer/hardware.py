@@ -1,0 +1,124 @@
+"""Hardware facts: each accelerator's peak FLOP/s (for MFU), each TPU generation's published figures (for the
+step-time model and AOT reports), and this machine's measured CPU peak (MFU on a laptop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+
+from trainer.storage.files import atomic_write
+
+# Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets.
+PEAK_FLOPS = {
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12, "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12, "TPU v6e": 918e12,
+    "NVIDIA H100": 989e12, "NVIDIA A100": 312e12,
+}
+
+
+PEAK_CACHE = "~/.cache/gpt2_nnx/cpu_peak_flops.json"
+
+
+def peak_flops_per_device(override: float | None) -> float:
+    """The config's value, a known accelerator's spec, or (CPU) this machine's float32 matmul peak.
+
+    The CPU peak is the best measured on this machine (CPU model, core count, JAX version), kept in PEAK_CACHE
+    so that MFU compares across runs: timed afresh at each start-up on a busy machine it swung by tens of
+    percent, and a first measurement made under load (a test suite on every core) was 30× too low.
+    """
+    if override:
+        return override
+    kind = jax.devices()[0].device_kind
+    for name, flops in PEAK_FLOPS.items():
+        if kind.startswith(name):
+            return flops
+    return cpu_peak_flops() / jax.local_device_count()
+
+
+def cpu_peak_flops() -> float:
+    path = epath.Path(os.path.expanduser(PEAK_CACHE))
+    key = f"{_cpu_model()} | {os.cpu_count()} cores | jax {jax.__version__}"
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    cache = cache if isinstance(cache, dict) else {}
+    known = cache.get(key) if isinstance(cache.get(key), (int, float)) else None
+    if known is not None and jax.process_index() > 0:  # process 0 logs MFU; the others need not slow it
+        return float(known)
+    measured = measure_matmul_peak(repeats=10 if known is None else 3)  # ~0.3 s on 2 cores once known
+    if known is None or measured > known:  # a busy machine only ever measures too low: keep the best
+        cache[key] = measured
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, json.dumps(cache, indent=2))
+        except OSError:
+            pass  # an unwritable cache only costs the measurement next time
+    return float(cache[key])
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_matmul_peak(n: int = 2048, dtype=np.float32, repeats: int = 5) -> float:
+    """Best-of-`repeats` FLOP/s of an n×n matmul on the default backend (all its threads)."""
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """A TPU generation's published figures (per chip)."""
+
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    hbm_bytes: int
+    hbm_bytes_per_s: float
+    ici_link_bytes_per_s: float  # one ICI link, one direction
+    host: tuple[int, int, int]  # chips per host, for jax.experimental.topologies
+    # libtpu's chip configuration: "megacore" makes a chip of two TensorCores (v4, v5p) one JAX device, as JAX
+    # requires for meshes on those chips (and as a v4-8's 4 chips run); "default" gives one device per core
+    chip_config: str = "default"
+
+    @property
+    def ring_bytes_per_s(self) -> float:
+        # a bidirectional ring along one mesh axis sends on two links at once (both directions of one torus dimension)
+        return 2 * self.ici_link_bytes_per_s
+
+
+# Cloud TPU documentation, "TPU v4" / "TPU v5e" / "TPU v5p" / "TPU v6e" pages (cloud.google.com/tpu/docs/v4, .../v5e,
+# .../v5p, .../v6e): HBM capacity and bandwidth per chip; bidirectional ICI bandwidth per chip over its ports
+# (v5e 400 GBps / 4 ports, v5p 1200 GBps / 6 ports, v6e 800 GBps / 4 ports -> 50, 100, 100 GB/s per port and
+# direction). The v4 page gives no ICI figure: 6 links of 400 Gbit/s (50 GB/s) per direction is from the TPU v4
+# paper (Jouppi et al., "TPU v4: An Optically Reconfigurable Supercomputer...", ISCA 2023, arXiv:2304.01433).
+# Peak bf16 FLOP/s: PEAK_FLOPS above (the same pages).
+# HBM sizes stay in GiB as the AOT report has always compared them (the compiler reports 15.75 GiB usable on v5e).
+CHIPS = {
+    "v4": Chip("v4", PEAK_FLOPS["TPU v4"], 32 * 2**30, 1200e9, 50e9, (2, 2, 1), "megacore"),
+    "v5e": Chip("v5e", PEAK_FLOPS["TPU v5e"], 16 * 2**30, 819e9, 50e9, (2, 2, 1)),
+    "v5p": Chip("v5p", PEAK_FLOPS["TPU v5p"], 95 * 2**30, 2765e9, 100e9, (2, 2, 1), "megacore"),
+    "v6e": Chip("v6e", PEAK_FLOPS["TPU v6e"], 32 * 2**30, 1638e9, 100e9, (2, 2, 1)),
+}
