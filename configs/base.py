@@ -257,7 +257,7 @@ class GuardConfig:
     The spike guard skips, inside the scanned train call, the update of a step whose loss or gradient norm is
     an outlier: its residual against the quantity's moving level (the trend) lies more than `z_loss` /
     `z_grad_norm` standard deviations above the residuals of the steps it accepted (llm.c's `-sl` / `-sg`
-    outlier skip, made robust to the falling trend of the loss; see trainer/spike_guard.py). A skipped step
+    outlier skip, made robust to the falling trend of the loss; see trainer/program/spike_guard.py). A skipped step
     leaves the parameters and optimizer state unchanged but still consumes its batch and its step number (the
     optimizer's own count, and so the learning-rate schedule, moves with applied updates only). A step with a
     non-finite loss or gradient norm, or whose update would make the state non-finite, is always skipped while

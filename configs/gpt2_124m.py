@@ -1,9 +1,9 @@
 """GPT-2 124M on OpenWebText / FineWeb, on a TPU v5e-8 (v5e:2x4) or v4-8 (v4:2x2x1) slice (one host).
 
-Prepare the data first (README "Data"), then: python train.py --config gpt2_124m --data.dataset=/data/owt
+Prepare the data first (docs/data.md), then: python train.py --config gpt2_124m --data.dataset=/data/owt
 
-Sizing, as `python train.py --config gpt2_124m --plan v5e:2x4` chose it in two runs (README "Ahead-of-time
-compilation"): 0.5M tokens per optimizer step as in GPT-2/nanoGPT (batch 512 × 1024 tokens) reached as 8
+Sizing, as `python train.py --config gpt2_124m --plan v5e:2x4` chose it in two runs (docs/aot_planning.md,
+"Chosen, and why"): 0.5M tokens per optimizer step as in GPT-2/nanoGPT (batch 512 × 1024 tokens) reached as 8
 micro-batches of 64 sequences (8 per chip); pure data parallelism — 124M parameters and their AdamW state
 (~2 GB in float32) fit every chip; splash attention (`auto` on TPU). remat="dots" keeps each block's matmul
 outputs and recomputes the elementwise rest (layer norms, GELU) in the backward pass; the layers unrolled
@@ -19,7 +19,7 @@ from gpt2.config import GPT2Config
 CONFIG = Config(
     run_dir="runs/gpt2_124m",
     # document_mask: attention stops at each <|endoftext|> (splash's segment ids) and positions restart per
-    # document; README "Document masking" for the measured gain
+    # document; docs/training.md "Document masking" for the measured gain
     model=GPT2Config.gpt2(pad_vocab_to=128, dtype="bfloat16", scan_layers=False, remat="dots",
                           document_mask=True, document_positions=True),
     data=DataConfig(dataset="/data/openwebtext", num_workers=4, prefetch=4),

@@ -1,10 +1,10 @@
 """GPT-2 medium (350M) on OpenWebText / FineWeb, on a TPU v5e-16 slice (4 hosts).
 
-Sizing (checked with `--aot v5e:4x4`, see README): 0.5M tokens per step (512 × 1024) as 8 micro-batches of
-64 sequences (4 per chip); FSDP over all 16 chips shards parameters, gradients and AdamW state (~6 GB in
-float32 that would otherwise sit on every 16 GB chip next to the activations). Without remat the activations
-of 8 sequences per chip need ~38 GB (the AOT report says so); full remat of each block trades ~1/3 more FLOPs
-for fitting with room to spare.
+Sizing (checked with `--aot v5e:4x4`, docs/aot_planning.md): 0.5M tokens per step (512 × 1024) as 8
+micro-batches of 64 sequences (4 per chip); FSDP over all 16 chips shards parameters, gradients and AdamW state
+(~6 GB in float32 that would otherwise sit on every 16 GB chip next to the activations). Without remat the
+activations of 8 sequences per chip need ~38 GB (the AOT report says so); full remat of each block trades ~1/3
+more FLOPs for fitting with room to spare.
 """
 
 from configs.base import CheckpointConfig, Config, DataConfig, GuardConfig, MeshConfig, OptimConfig, TrainConfig
@@ -13,7 +13,7 @@ from gpt2.config import GPT2Config
 CONFIG = Config(
     run_dir="runs/gpt2_medium",
     # document_mask: attention stops at each <|endoftext|> (splash's segment ids) and positions restart per
-    # document; README "Document masking" for the measured gain
+    # document; docs/training.md "Document masking" for the measured gain
     model=GPT2Config.gpt2_medium(pad_vocab_to=128, dtype="bfloat16", scan_layers=True, remat="full",
                                  document_mask=True, document_positions=True),
     data=DataConfig(dataset="/data/openwebtext", num_workers=4, prefetch=4),

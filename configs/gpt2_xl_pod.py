@@ -1,7 +1,7 @@
 """GPT-2 XL (1.5B) on a TPU v5e-256 pod (64 hosts × 4 chips) with FSDP.
 
-Sizing, as `python train.py --config gpt2_xl_pod --plan v5e:16x16` chose it (README "Ahead-of-time
-compilation"): 1M tokens per step (1024 × 1024, GPT-3's batch for this size), 4 sequences per chip. FSDP shards
+Sizing, as `python train.py --config gpt2_xl_pod --plan v5e:16x16` chose it (docs/aot_planning.md, "Chosen,
+and why"): 1M tokens per step (1024 × 1024, GPT-3's batch for this size), 4 sequences per chip. FSDP shards
 the 1.5B float32 parameters and AdamW moments (~19 GB) 64 ways (~0.3 GB per chip); 64, not 256, because FSDP
 splits the width (1600 = 64 × 25 cannot split 256 ways), and the remaining factor 4 is plain data parallelism.
 remat="dots" keeps each block's matmul outputs (10.4 GiB per chip of the 16 GiB HBM) and recomputes only the
@@ -12,9 +12,9 @@ from configs.base import CheckpointConfig, Config, DataConfig, GuardConfig, Mesh
 from gpt2.config import GPT2Config
 
 CONFIG = Config(
-    run_dir="runs/gpt2_xl",  # on a pod: storage every host sees: gs://bucket/path (README) or an NFS mount
+    run_dir="runs/gpt2_xl",  # on a pod: storage every host sees: gs://bucket/path (docs/pods.md) or an NFS mount
     # document_mask: attention stops at each <|endoftext|> (splash's segment ids) and positions restart per
-    # document; README "Document masking" for the measured gain
+    # document; docs/training.md "Document masking" for the measured gain
     model=GPT2Config.gpt2_xl(pad_vocab_to=128, dtype="bfloat16", scan_layers=True, remat="dots",
                              document_mask=True, document_positions=True),
     data=DataConfig(dataset="/data/fineweb", num_workers=8, prefetch=4),

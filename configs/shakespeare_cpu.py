@@ -1,7 +1,7 @@
 """The default: a small GPT-2 on the embedded Shakespeare corpus, sized for a 2-core laptop CPU.
 
-About 7 minutes on 2 cores (see README "Training"). The full GPT-2 vocabulary is kept so that checkpoints
-are ordinary GPT-2 checkpoints; it makes the embedding most of the 7.3M parameters.
+A few minutes on 2 cores (docs/training.md, "The default run, measured"). The full GPT-2 vocabulary is kept so
+that checkpoints are ordinary GPT-2 checkpoints; it makes the embedding most of the 7.3M parameters.
 """
 
 from configs.base import CheckpointConfig, Config, DataConfig, OptimConfig, TrainConfig
@@ -10,7 +10,7 @@ from gpt2.config import GPT2Config
 CONFIG = Config(
     run_dir="runs/shakespeare_cpu",
     # document_mask off: the 37 training works are ~37k tokens each, so 0.35% of rows hold a boundary; the mask
-    # would change almost nothing here (README "Document masking")
+    # would change almost nothing here (docs/training.md "Document masking")
     model=GPT2Config(n_layer=4, n_head=4, n_embd=128, block_size=256, scan_layers=True, document_mask=False),
     data=DataConfig(dataset="shakespeare"),
     optim=OptimConfig(lr=2e-3, warmup_steps=50, weight_decay=0.1, min_lr_ratio=0.1),

@@ -1,7 +1,7 @@
 """The default CPU run with Muon on the hidden matrices (AdamW, as in shakespeare_cpu, on the rest).
 
-Measured (README "Optimizers"): it reaches shakespeare_cpu's final validation loss in 325 of its 600 steps, and
-5.18 against 5.45 at step 600; on a second corpus (Python source) in 350 steps.
+Measured (docs/training.md "Optimizers"): it reaches shakespeare_cpu's final validation loss in 325 of its 600
+steps, and 5.18 against 5.45 at step 600; on a second corpus (Python source) in 350 steps.
 """
 
 import dataclasses

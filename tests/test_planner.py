@@ -1,4 +1,4 @@
-"""The planner (trainer/planner.py): the search and its table on a stand-in compiler whose figures are known
+"""The planner (trainer/perf/planner.py): the search and its table on a stand-in compiler whose figures are known
 (milliseconds), the candidate axes for the presets' topologies, and — with libtpu — a real plan of a tiny model
 on v5e:2x2 in-process and once through `train.py --plan`."""
 

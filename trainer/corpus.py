@@ -21,7 +21,7 @@ def resolve_corpus(data: DataConfig, *, vocab_size: int, seq_len: int, prepare: 
     if is_remote(data.dataset):
         raise ConfigError(f"data.dataset={data.dataset!r}: token files are read from a local or mounted directory"
                           " (memory-mapped, random access); mount the bucket with gcsfuse and pass the mount's path"
-                          " (README, Training on a TPU pod)")
+                          " (docs/pods.md, Token files on a pod)")
     if data.dataset == EMBEDDED:
         directory = Path(data.cache_dir).expanduser()
         if prepare:

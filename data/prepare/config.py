@@ -57,7 +57,7 @@ class PrepareConfig:
         if "://" in self.out_dir:
             raise DataError(f"--out_dir {self.out_dir}: token files are written to (and memory-mapped from) a local"
                             " or mounted directory; mount the bucket with gcsfuse and pass the mount's path"
-                            " (README, Run directories on cloud storage)")
+                            " (docs/pods.md, Token files on a pod)")
         if not (math.isfinite(self.val_fraction) and 0.0 < self.val_fraction < 1.0):
             raise DataError(f"--val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.shard_tokens < MIN_SHARD_TOKENS:

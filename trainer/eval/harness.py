@@ -60,7 +60,7 @@ class GPT2LM(TemplateLM):
     """lm-eval's model interface over a GPT-2 of ours.
 
     Args:
-      evaluator: the model's structure, mesh and shardings (trainer/evaluation.py).
+      evaluator: the model's structure, mesh and shardings (trainer/program/eval_call.py).
       params: the parameters, in the evaluator's shardings.
       batch_size: rows per call (divisible by the mesh's data-parallel size).
       max_length: the longest row (at most the model's context); longer requests are cut on the left, as

@@ -3,7 +3,7 @@
 `python train.py --config gpt2_xl_pod --aot v5e:16x16` lowers and compiles exactly what a pod would run
 (model, sharding rules, optimizer, K-step scan, batch) against libtpu's description of the topology, with
 abstract arrays only, and reports per-device memory against the chip's HBM and a step-time estimate read from the
-compiled program (trainer/step_time.py).
+compiled program (trainer/perf/step_time.py).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def compile_for_topology(cfg: Config, topology: str) -> AotReport:
     # weight shows it alone: -0.99998 as compiled, +2.6e-5 s with compiler_options=
     # {"xla_tpu_sliced_prefetch_max_slices": 0} (no ConcatBitcast). Donation only matters as far as it changes
     # which buffers get sliced prefetches. With that flag the gpt2_124m call gets +0.038 s, but for 10 steps of
-    # 16 micro-batches of 12 layers each counted once: no step time either. Hence trainer/step_time.py.
+    # 16 micro-batches of 12 layers each counted once: no step time either. Hence trainer/perf/step_time.py.
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     t = cfg.train

@@ -2,9 +2,9 @@
 
 A candidate is the preset with a few fields changed along five axes — the attention kernel, the sharding layout
 (rules and mesh shape), the micro-batch (train.grad_accum), the remat policy and scanned vs unrolled layers.
-Each is compiled for the topology by trainer/aot.py, as `--aot` would, with train.steps_per_call=1 (the estimate
+Each is compiled for the topology by trainer/perf/aot.py, as `--aot` would, with train.steps_per_call=1 (the estimate
 is per optimizer step and the K-step scan only repeats it: a 10-step call of gpt2_124m gives the same FLOPs and
-collectives per step and HBM traffic within 0.6 %), and ranked by its predicted step time (trainer/step_time.py).
+collectives per step and HBM traffic within 0.6 %), and ranked by its predicted step time (trainer/perf/step_time.py).
 
 A full grid would be hundreds of compiles of 30 s–10 min each. The search is coordinate descent instead, in one
 pass: starting from the preset, it tries the values of one axis with the others held, keeps the best, and moves

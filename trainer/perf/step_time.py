@@ -17,7 +17,7 @@ The step's lower bound is max(compute, HBM, Σ collectives): the MXUs, HBM and t
 that can all work at once (prefetches and collectives are DMAs beside the compute), and none can go faster than
 its peak. Everything here is a prediction from the compiled program, not a measurement.
 
-`estimate(compiled, chip, mesh)` is the entry point (trainer/aot.py's report; a planner ranking candidate
+`estimate(compiled, chip, mesh)` is the entry point (trainer/perf/aot.py's report; a planner ranking candidate
 configurations by `StepTimeEstimate.row()`).
 """
 

@@ -1,5 +1,5 @@
 """The training program: the train state's layout, the optimizer, and the jitted train call that runs up to
-K optimizer steps in one scan. It holds no arrays; `trainer/loop.py` drives it.
+K optimizer steps in one scan. It holds no arrays; `trainer/run/loop.py` drives it.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class Checkpoints:
             # finished checkpoint. The run directory's lock is held by then: no other trainer is saving.
             cleanup_tmp_directories=not read_only,
         )
-        # save_statistics: an Orbax logger given each save's statistics (trainer/goodput.py's blocking times)
+        # save_statistics: an Orbax logger given each save's statistics (trainer/telemetry/timeline.py's OrbaxSaveTimes)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, DATA, META),
                                              logger=save_statistics)
         self._writer_failure = _WriterFailure(self.directory)

@@ -132,7 +132,7 @@ class RunDir:
             return history, AppendLog(path, flush_every)
 
     def read_events(self, *, say_torn: bool = True) -> list[dict]:
-        """events.jsonl's records (trainer/goodput.py): every attempt's, never cut back by a resume. A torn
+        """events.jsonl's records (trainer/telemetry/timeline.py): every attempt's, never cut back by a resume. A torn
         last line is left out (and said, unless `say_torn` is False: a reader before `open_events`, which says
         it once when it repairs the file)."""
         return self._load_jsonl(self.path / "events.jsonl", repair=True, say_torn=say_torn)[0]
