@@ -40,3 +40,37 @@ def test_unknown_tpu_generation_is_one_line():
     r = run_cli("train.py", "--config", "gpt2_124m", "--aot", "v9x:2x2", devices=1)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == "error: --aot v9x:2x2: unknown TPU generation 'v9x'; known: ['v4', 'v5e', 'v5p', 'v6e']"
+
+
+def test_a_compile_is_kept_and_read_back_and_a_changed_program_compiles_again(tmp_path, monkeypatch):
+    """The store of TPU compiles: the same lowered program and topology read back (same report, no compile), any
+    change to the program compiled afresh; a refusal (does not fit) is kept as the compiler's message."""
+    import configs
+    from configs.base import Config
+    from configs.cli import parse
+    from trainer.perf import aot, compile_store
+
+    monkeypatch.setattr(compile_store, "STORE", str(tmp_path))
+    compiles = []
+    compile_once = compile_store._compile
+    monkeypatch.setattr(compile_store, "_compile", lambda lowered: compiles.append(1) or compile_once(lowered))
+    tiny = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=128", "--model.block_size=128",
+            "--model.vocab_size=512", "--train.seq_len=128", "--train.batch_size=8", "--train.grad_accum=1",
+            "--train.steps_per_call=1"]
+
+    def report(*flags):
+        return aot.compile_for_topology(parse(Config, [*tiny, *flags], default=configs.load("gpt2_124m"),
+                                              prog="test"), "v5e:2x2")
+
+    first, again = report(), report()
+    assert len(compiles) == 1 and not first.from_store and again.from_store
+    assert again.step_time == first.step_time and again.temp_bytes == first.temp_bytes
+    assert "read back from" in again.text().splitlines()[0]
+    report("--model.remat=full")
+    assert len(compiles) == 2
+    big = ["--model.n_layer=8", "--model.n_embd=4096", "--model.n_head=32", "--model.scan_layers=true",
+           "--mesh.rules=dp"]  # 1.6 B parameters and their Adam moments on every chip: 26 GiB of 16
+    for _ in range(2):
+        with pytest.raises(aot.DoesNotFit, match="does not fit in HBM"):
+            report(*big)
+    assert len(compiles) == 3

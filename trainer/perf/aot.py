@@ -13,11 +13,13 @@ import re
 
 import jax
 from jax.experimental import topologies
+from jax.sharding import Mesh
 
 from configs.base import Config
 from errors import ConfigError
 from trainer.hardware import CHIPS, Chip
-from trainer.perf.step_time import StepTimeEstimate, estimate
+from trainer.perf.compile_store import STORE, CompiledProgram, compile_lowered
+from trainer.perf.step_time import StepTimeEstimate, estimate_hlo
 from trainer.program.mesh import build_mesh
 from trainer.program.train_program import TrainProgram
 
@@ -36,6 +38,7 @@ class AotReport:
     optimal_seconds: float  # libtpu's cost model for the whole call (< 0: none; see compile_for_topology)
     steps_per_call: int
     step_time: StepTimeEstimate  # predicted from the compiled program, per step
+    from_store: bool = False  # the compile was read back from trainer/perf/compile_store.py's store
 
     @property
     def total_bytes(self) -> int:
@@ -49,7 +52,8 @@ class AotReport:
     def text(self) -> str:
         gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
         lines = [
-            f"AOT compile for {self.topology} ({self.devices} devices), per device:",
+            f"AOT compile for {self.topology} ({self.devices} devices"
+            f"{'; read back from ' + STORE if self.from_store else ''}), per device:",
             f"  arguments   {gib(self.argument_bytes)}",
             f"  outputs     {gib(self.output_bytes)}  (of which {gib(self.alias_bytes).strip()} alias donated arguments)",
             f"  temporaries {gib(self.temp_bytes)}",
@@ -88,10 +92,13 @@ def topology_devices(topology: str):
 
 
 def compile_for_topology(cfg: Config, topology: str) -> AotReport:
-    """Compiles the K-step train call for `topology` and reports on it; allocates no arrays."""
+    """Compiles the K-step train call for `topology` (or reads the same compile back from the store) and reports
+    on it; allocates no arrays. A program the TPU compiler refuses because it cannot fit raises `DoesNotFit` with
+    the compiler's numbers."""
     _, spec = chip_of(topology)
-    compiled, mesh = compile_train_call(cfg, topology)
-    mem = compiled.memory_analysis()
+    program, mesh = compile_train_call(cfg, topology)
+    if program.error is not None:
+        raise DoesNotFit(f"--aot {topology}: does not fit in HBM: {program.error}")
     # libtpu's `optimal_seconds` is a sum over the entry computation's ops (a loop body counted once) in which each
     # `ConcatBitcast` custom call counts -1 s: the op with which memory-space assignment's *sliced prefetch* glues
     # a buffer copied HBM->VMEM in pieces (slice-start/slice-done) back together. Our train call has 5 of them at
@@ -100,36 +107,26 @@ def compile_for_topology(cfg: Config, topology: str) -> AotReport:
     # {"xla_tpu_sliced_prefetch_max_slices": 0} (no ConcatBitcast). Donation only matters as far as it changes
     # which buffers get sliced prefetches. With that flag the gpt2_124m call gets +0.038 s, but for 10 steps of
     # 16 micro-batches of 12 layers each counted once: no step time either. Hence trainer/perf/step_time.py.
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
     t = cfg.train
     model_flops = cfg.model.flops_per_token(t.seq_len) * t.batch_size * t.seq_len / mesh.size  # per step per chip
     return AotReport(
         topology=topology, devices=mesh.size,
-        argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
-        temp_bytes=mem.temp_size_in_bytes, alias_bytes=mem.alias_size_in_bytes, hbm_bytes=spec.hbm_bytes,
-        flops_per_step=float(cost.get("flops", 0.0)),
-        model_flops_per_step=model_flops,
-        optimal_seconds=float(cost.get("optimal_seconds", -1.0)), steps_per_call=t.steps_per_call,
-        step_time=estimate(compiled, spec, mesh, steps_per_call=t.steps_per_call, model_flops_per_step=model_flops),
+        argument_bytes=program.argument_bytes, output_bytes=program.output_bytes,
+        temp_bytes=program.temp_bytes, alias_bytes=program.alias_bytes, hbm_bytes=spec.hbm_bytes,
+        flops_per_step=program.flops, model_flops_per_step=model_flops,
+        optimal_seconds=program.optimal_seconds, steps_per_call=t.steps_per_call,
+        step_time=estimate_hlo(program.hlo, spec, dict(mesh.shape), steps_per_call=t.steps_per_call,
+                               model_flops_per_step=model_flops),
+        from_store=program.from_store,
     )
 
 
-def compile_train_call(cfg: Config, topology: str):
-    """(the compiled train call, its mesh) for `topology`. A program the TPU compiler refuses because it cannot
-    fit raises `DoesNotFit` with the compiler's numbers."""
-    devices = topology_devices(topology)
-    mesh = build_mesh(cfg, devices=devices)
+def compile_train_call(cfg: Config, topology: str) -> tuple[CompiledProgram, Mesh]:
+    """(the train call compiled for `topology`, its mesh)."""
+    mesh = build_mesh(cfg, devices=topology_devices(topology))
     trainer = TrainProgram.build(cfg, mesh)
     with jax.set_mesh(mesh):
-        lowered = trainer.lower()
-        try:
-            return lowered.compile(), mesh
-        except jax.errors.JaxRuntimeError as e:
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            # the TPU compiler refuses programs that cannot fit: report its numbers as "does not fit"
-            raise DoesNotFit(f"--aot {topology}: does not fit in HBM: {_first_line(e)}") from None
+        return compile_lowered(trainer.lower(), topology), mesh
 
 
 class DoesNotFit(ConfigError):
@@ -139,11 +136,6 @@ class DoesNotFit(ConfigError):
     def required_bytes(self) -> float | None:
         m = re.search(r"required for [^(]*\(([0-9.]+)([KMGT])\)", str(self))
         return float(m.group(1)) * 2 ** (10 * " KMGT".index(m.group(2))) if m else None
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()[0]
-    return text.split("RESOURCE_EXHAUSTED: ", 1)[-1]
 
 
 def run_aot(cfg: Config, topology: str) -> int:

@@ -54,6 +54,7 @@ class Outcome:
     bottleneck: str
     compile_s: float
     error: str | None = None  # "does not fit: ..." or the compile's first error line
+    from_store: bool = False  # read back from an earlier compile (trainer/perf/compile_store.py)
 
     def key(self) -> tuple:
         """Sort key, best first: fitting and fast, then not fitting by memory (so the search moves towards
@@ -258,7 +259,7 @@ def compile_candidate(topology: str) -> Compile:
             jax.clear_caches()  # each candidate's executables are not needed again
         e = r.step_time
         return Outcome(changes, r.fits, float(r.total_bytes), e.predicted_s, e.predicted_mfu, e.bottleneck,
-                       time.monotonic() - start, None if r.fits else "does not fit in HBM")
+                       time.monotonic() - start, None if r.fits else "does not fit in HBM", r.from_store)
 
     return compile
 
@@ -305,7 +306,8 @@ def table(p: Plan) -> str:
         step = f"{o.step_s * 1e3:8.1f}" if o.step_s is not None else "       -"
         mfu = f"{o.mfu:6.1%}" if o.mfu is not None else "     -"
         why = o.bottleneck if o.error is None else o.error
-        rows.append(f"{i:>2}  {fits:4}  {gib(o.memory_bytes):>8}  {step}  {mfu}  {o.compile_s:6.0f}s  {why}")
+        took = " stored" if o.from_store else f"{o.compile_s:6.0f}s"
+        rows.append(f"{i:>2}  {fits:4}  {gib(o.memory_bytes):>8}  {step}  {mfu}  {took:>7}  {why}")
         rows.append(f"{'':>2}  {'':4}  {'':>8}  {'':>8}  {'':>6}  {'':>7}  {flags(o.changes)}")
     return "\n".join(rows)
 
