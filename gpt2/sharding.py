@@ -23,10 +23,8 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 # Parameter axes: vocab, embed, positions, qkv (the 3 of fused QKV), heads, head_dim, mlp, layers.
 # Activation axes: batch, seq, act_embed, act_vocab.
-LOGICAL_AXES = (
-    "vocab", "embed", "positions", "qkv", "heads", "head_dim", "mlp", "layers",
-    "batch", "seq", "act_embed", "act_vocab",
-)
+ACTIVATION_AXES = ("batch", "seq", "act_embed", "act_vocab")
+LOGICAL_AXES = ("vocab", "embed", "positions", "qkv", "heads", "head_dim", "mlp", "layers", *ACTIVATION_AXES)
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -76,6 +74,20 @@ class ShardingRules:
 
     def mesh_axes(self, logical: str | None) -> MeshAxes:
         return dict(self.table).get(logical) if logical is not None else None
+
+    def replica_batch_axes(self) -> tuple[str, ...]:
+        """The leading mesh axes of the batch over which no parameter is split: along them every device holds
+        whole parameters (and whole gradients), so a gradient can be summed where it is computed and reduced once
+        (trainer/program/train_program.py's gradient accumulation). dp and tp: data and fsdp; fsdp and fsdp_tp: data."""
+        split = {a for logical, axes in self.table if logical not in ACTIVATION_AXES for a in _as_tuple(axes)}
+        batch = _as_tuple(self.mesh_axes("batch"))
+        leading = next((i for i, a in enumerate(batch) if a in split), len(batch))
+        return batch[:leading]
+
+    def with_batch(self, mesh_axes: tuple[str, ...]) -> "ShardingRules":
+        """These rules with the batch split over `mesh_axes` only (none: replicated)."""
+        table = {**dict(self.table), "batch": mesh_axes or None}
+        return ShardingRules.from_dict(f"{self.name} (batch over {mesh_axes})", table)
 
     def spec(self, logical_axes: Sequence[str | None]) -> PartitionSpec:
         """PartitionSpec for an array whose dims have these logical names.

@@ -98,6 +98,8 @@ def test_replica_groups_in_every_spelling_map_to_mesh_axes():
         "replica_groups=[2,2]<=[4]": "tensor",
         "replica_groups=[2,2]<=[2,2]T(1,0)": "data",
         "replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_0'}": "data",
+        # mesh positions hold the devices of an iota: [[0, 2], [1, 3]], so axis_0 runs along tensor
+        "replica_groups=mesh['axis_0'=2,'axis_1'=2], device_ids=([2,2]T(1,0)) {'axis_0'}": "tensor",
         "replica_groups={}": "data+tensor",
         "source_target_pairs={{0,2},{2,0}}": "data",
     }

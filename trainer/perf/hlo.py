@@ -142,25 +142,30 @@ def _logical_lines(text: str) -> list[str]:
 
 
 def replica_groups(attrs: str, devices: int) -> list[list[int]]:
-    """The device groups of a collective, from any of HLO's three spellings."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
-    if m:  # mesh['axis_0'=8,'axis_1'=1] {'axis_0'}: an iota of device ids shaped like that mesh
+    """The device groups of a collective, from any of HLO's spellings."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((\[[0-9,]+\](?:T\([0-9,]+\))?)\))?"
+                  r"\s*\{([^}]*)\}", attrs)
+    if m:  # mesh['axis_0'=8,'axis_1'=1] {'axis_0'}: device ids shaped like that mesh (an iota, or device_ids=(...))
         names = re.findall(r"'(\w+)'=(\d+)", m.group(1))
-        grouped = re.findall(r"'(\w+)'", m.group(2))
-        ids = np.arange(devices).reshape([int(s) for _, s in names])
+        grouped = re.findall(r"'(\w+)'", m.group(3))
+        ids = (_iota(m.group(2)) if m.group(2) else np.arange(devices)).reshape([int(s) for _, s in names])
         axes = [i for i, (n, _) in enumerate(names) if n in grouped]
         rest = [i for i in range(len(names)) if i not in axes]
         return ids.transpose(rest + axes).reshape(-1, math.prod(ids.shape[i] for i in axes)).tolist()
-    m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=(\[[0-9,]+\](?:T\([0-9,]+\))?)", attrs)
     if m:  # [groups, size]<=[reshape]T(perm): iota, reshaped, transposed, cut into rows
-        shape, reshape = [int(x) for x in m.group(1).split(",")], [int(x) for x in m.group(2).split(",")]
-        ids = np.arange(math.prod(reshape)).reshape(reshape)
-        if m.group(3):
-            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        return ids.reshape(-1, shape[-1]).tolist()
+        return _iota(m.group(2)).reshape(-1, int(m.group(1).split(",")[-1])).tolist()
     m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[0-9,]*\},?)*)\}", attrs)
     groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))] if m else []
     return [g for g in groups if g] or [list(range(devices))]
+
+
+def _iota(text: str) -> np.ndarray:
+    """HLO's iota of device ids, `[2,4]T(1,0)`: arange, reshaped, transposed; flattened."""
+    m = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
+    reshape = [int(x) for x in m.group(1).split(",")]
+    ids = np.arange(math.prod(reshape)).reshape(reshape)
+    return (ids.transpose([int(x) for x in m.group(2).split(",")]) if m.group(2) else ids).reshape(-1)
 
 
 def mesh_axis(groups: list[list[int]], mesh_shape: dict[str, int]) -> str:
