@@ -463,6 +463,8 @@ class _Walker:
 
     def param_read_bytes(self, comp: Computation, value: Instr) -> float:
         """Bytes of `value` (an HBM array) the fused ops read: a slice's worth when they only slice it."""
+        if value.is_root:  # a nested fusion's result (a bitcast of a matmul's operand): its user reads it whole
+            return value.bytes
         read = 0.0
         for user in comp.users[value.name]:
             if user.opcode in ("dynamic-slice", "slice", "gather") and user.operands[0] == value.name:
