@@ -1,21 +1,24 @@
-"""A step-time estimate of a compiled TPU program, read from its optimized HLO: a roofline per op plus ICI collectives.
+"""A step-time estimate of a compiled TPU program, read from its optimized HLO: each op at libtpu's cost model's rates
+plus ICI collectives.
 
 libtpu's own cost model (`compiled.cost_analysis()["optimal_seconds"]`) gives up on our train call (it returns a
 negative number), and XLA's flop count covers a loop body once. This module walks the compiled program's HLO text
-(`compiled.as_text()`, the module libtpu scheduled) instead:
+(`compiled.as_text()`, the module libtpu scheduled) instead, costing each op as libtpu's model costs it on its own
+(trainer/op_cost.py; benchmarks/calibrate_step_time.py checks the two agree):
 
-- compute: the MXU's FLOPs (convolutions and dots, from their shapes) at the chip's peak; elementwise work runs on
-  the vector unit beside it and is left out, its cost shows up as HBM traffic.
+- compute: the MXU's FLOPs (convolutions and dots, from their shapes) and the transcendentals (exp, tanh, rsqrt, ...
+  one per element), each at libtpu's rate for the chip; splash attention's Pallas kernels from their block shapes;
 - HBM: the bytes each op the TensorCore runs (a fusion, a copy, an async prefetch) reads from and writes to HBM, at
-  the HBM bandwidth; arrays the compiler placed in VMEM (layout memory space S(1)) or SMEM cost nothing.
+  their stored size (tile padding included), at libtpu's HBM rate; arrays the compiler placed in VMEM (layout
+  memory space S(1)) or SMEM cost nothing;
 - while loops (scans over layers, the K-step scan, gradient accumulation) multiply their body by the trip count;
-  a conditional costs its most expensive branch (the train call's "active" branch is the whole step).
+  a conditional costs its most expensive branch (the train call's "active" branch is the whole step);
 - each collective's time comes from its bytes and the mesh axis its replica groups run over, at the ICI bandwidth
   of a bidirectional ring along that axis (`Collective`).
 
 The step's lower bound is max(compute, HBM, Σ collectives): the MXUs, HBM and the ICI links are three resources
-that can all work at once (prefetches and collectives are DMAs beside the compute), and none can go faster than
-its peak. Everything here is a prediction from the compiled program, not a measurement.
+that can all work at once (prefetches and collectives are DMAs beside the compute). Everything here is a
+prediction from the compiled program, not a measurement.
 
 `estimate(compiled, chip, mesh)` is the entry point (trainer/aot.py's report; a planner ranking candidate
 configurations by `StepTimeEstimate.row()`).
@@ -31,6 +34,7 @@ from functools import cached_property
 
 import numpy as np
 
+from trainer import op_cost
 from trainer.metrics import PEAK_FLOPS
 
 
@@ -85,10 +89,11 @@ class Array:
     dtype: str
     dims: tuple[int, ...]
     memory_space: int  # 0 HBM; 1 VMEM; others are sync flags / SMEM
+    elements: int  # as stored: the layout's tile pads the minor dimensions (op_cost.stored_elements)
 
     @property
     def bytes(self) -> float:
-        return math.prod(self.dims) * DTYPE_BYTES.get(self.dtype, 4)
+        return self.elements * DTYPE_BYTES.get(self.dtype, 4)
 
 
 def _arrays(shape: str) -> tuple[Array, ...]:
@@ -96,7 +101,8 @@ def _arrays(shape: str) -> tuple[Array, ...]:
     out = []
     for dtype, dims, layout in _ARRAY.findall(shape):
         space = re.search(r"S\((\d+)\)", layout or "")
-        out.append(Array(dtype, tuple(int(d) for d in dims.split(",") if d), int(space.group(1)) if space else 0))
+        dims = tuple(int(d) for d in dims.split(",") if d)
+        out.append(Array(dtype, dims, int(space.group(1)) if space else 0, op_cost.stored_elements(dims, layout)))
     return tuple(out)
 
 
@@ -339,6 +345,7 @@ class Cost:
     memory_bound_s: float = 0.0  # the part of roofline_s spent in ops whose HBM time exceeds their compute time
     collectives: dict[tuple[str, str], Collective] = dataclasses.field(default_factory=dict)
     opaque_kernels: float = 0  # Pallas / Mosaic kernels (tpu_custom_call), whose FLOPs the HLO does not state
+    splash_kernels: float = 0  # splash attention's kernels, costed from their block shapes
     unknown_loops: int = 0  # while loops whose trip count could not be read (counted once)
 
     @property
@@ -346,7 +353,8 @@ class Cost:
         return sum(c.seconds for c in self.collectives.values())
 
     def add(self, other: Cost, times: float = 1.0) -> None:
-        for f in ("flops", "hbm_bytes", "compute_s", "hbm_s", "roofline_s", "memory_bound_s", "opaque_kernels"):
+        for f in ("flops", "hbm_bytes", "compute_s", "hbm_s", "roofline_s", "memory_bound_s", "opaque_kernels",
+                  "splash_kernels"):
             setattr(self, f, getattr(self, f) + times * getattr(other, f))
         self.unknown_loops += other.unknown_loops
         for key, c in other.collectives.items():
@@ -362,8 +370,10 @@ class _Walker:
     def __init__(self, comps: dict[str, Computation], chip: Chip, mesh_shape: dict[str, int]):
         self.comps, self.chip, self.mesh_shape = comps, chip, mesh_shape
         self.devices = math.prod(mesh_shape.values())
+        self.rates = op_cost.RATES[chip.name]
         self._costs: dict[str, Cost] = {}
         self._flops: dict[str, float] = {}
+        self._transcendentals: dict[str, float] = {}
 
     def computation(self, name: str) -> Cost:
         if name not in self._costs:
@@ -409,30 +419,45 @@ class _Walker:
         return cost
 
     def roofline(self, instr: Instr, comp: Computation) -> Cost:
-        flops = self.flops(instr, comp)
-        nbytes = self.hbm_bytes(instr, comp)
-        compute, memory = flops / self.chip.peak_flops, nbytes / self.chip.hbm_bytes_per_s
+        flops, nbytes = self.flops(instr, comp), self.hbm_bytes(instr, comp)
         kernel = instr.attr("custom_call_target") == '"tpu_custom_call"'
+        work = op_cost.kernel_compute_seconds if kernel else op_cost.compute_seconds
+        compute = work(self.rates, flops, self.transcendentals(instr, comp))
+        memory = op_cost.memory_seconds(self.rates, nbytes)
         # an async copy (a prefetch into VMEM, an eviction) is a DMA beside the compute: it uses HBM bandwidth
         # but does not hold up the ops in series
         serial = 0.0 if instr.opcode in ASYNC_COPIES else max(compute, memory)
         return Cost(flops=flops, hbm_bytes=nbytes, compute_s=compute, hbm_s=memory, roofline_s=serial,
-                    memory_bound_s=serial if memory > compute else 0.0, opaque_kernels=kernel and not flops)
+                    memory_bound_s=serial if memory > compute else 0.0, opaque_kernels=kernel and not flops,
+                    splash_kernels=kernel and flops > 0)
 
     def flops(self, instr: Instr, comp: Computation) -> float:
+        """MXU FLOPs: convolutions, dots and splash's kernels, in fusions too."""
         if instr.opcode == "custom-call" and instr.attr("custom_call_target") == '"tpu_custom_call"':
-            return splash_flops(instr, comp)
+            return splash_work(instr, comp)[0]
         if instr.opcode == "convolution":
             return convolution_flops(instr, comp)
         if instr.opcode == "dot":
             return dot_flops(instr, comp)
-        if instr.opcode == "fusion":
-            name = _called(instr, "calls")[0]
-            if name not in self._flops:
-                fused = self.comps[name]
-                self._flops[name] = sum(self.flops(i, fused) for i in fused.instrs.values())
-            return self._flops[name]
-        return 0.0
+        return self._fused_sum(instr, self.flops, self._flops)
+
+    def transcendentals(self, instr: Instr, comp: Computation) -> float:
+        """Elements of exp, log, tanh, rsqrt, ... results (one transcendental each), in fusions too."""
+        if instr.opcode == "custom-call" and instr.attr("custom_call_target") == '"tpu_custom_call"':
+            return splash_work(instr, comp)[1]
+        if instr.opcode in op_cost.TRANSCENDENTAL:
+            return sum(math.prod(a.dims) for a in instr.arrays)
+        return self._fused_sum(instr, self.transcendentals, self._transcendentals)
+
+    def _fused_sum(self, instr: Instr, count, cache: dict[str, float]) -> float:
+        """`count` summed over a fusion's instructions, once per fused computation."""
+        if instr.opcode != "fusion":
+            return 0.0
+        name = _called(instr, "calls")[0]
+        if name not in cache:
+            fused = self.comps[name]
+            cache[name] = sum(count(i, fused) for i in fused.instrs.values())
+        return cache[name]
 
     def hbm_bytes(self, instr: Instr, comp: Computation) -> float:
         """Bytes this op reads from and writes to HBM (arrays in VMEM / SMEM cost nothing)."""
@@ -462,10 +487,12 @@ class _Walker:
         return reads + writes
 
     def param_read_bytes(self, comp: Computation, value: Instr) -> float:
-        """Bytes of `value` (an HBM array) the fused ops read: a slice's worth when they only slice it."""
+        """Bytes of `value` (an HBM array) the fused ops read, as XLA's cost analysis (and libtpu's) counts them: a
+        slice's worth where they only slice it, each nested fusion's own reads (a nested fusion is recomputed
+        where it is used), and one read shared by every other user."""
         if value.is_root:  # a nested fusion's result (a bitcast of a matmul's operand): its user reads it whole
             return value.bytes
-        read = 0.0
+        read, shared = 0.0, False
         for user in comp.users[value.name]:
             if user.opcode in ("dynamic-slice", "slice", "gather") and user.operands[0] == value.name:
                 read += user.bytes
@@ -475,10 +502,11 @@ class _Walker:
                 read += self.param_read_bytes(comp, user)
             elif user.opcode == "fusion":
                 nested = self.comps[_called(user, "calls")[0]]
-                read += self.param_read_bytes(nested, nested.parameter(user.operands.index(value.name)))
-            else:
-                return value.bytes
-        return min(read, value.bytes)
+                read += sum(self.param_read_bytes(nested, nested.parameter(i))
+                            for i, o in enumerate(user.operands) if o == value.name)
+            elif not shared:
+                read, shared = read + value.bytes, True
+        return read
 
     def collective(self, instr: Instr, start: Instr, kind: str | None = None) -> Cost:
         """`start` carries the replica groups (an async pair's first half); `kind` overrides the opcode's."""
@@ -508,25 +536,29 @@ ASYNC_COPIES = {"copy-start", "slice-start"}
 # The splash kernels (gpt2/splash.py) by name, and the [bq, K] × [K, bkv] matmuls each runs per computed block:
 # forward QKᵀ and PV; dq recomputes QKᵀ, then dP = dO Vᵀ and dQ = dS K; dkv recomputes QKᵀ and dP, then
 # dV = Pᵀ dO and dK = dSᵀ Q (splash_attention_kernel.py's _flash_attention_kernel, _flash_attention_dq_kernel,
-# _flash_attention_dkv_kernel).
+# _flash_attention_dkv_kernel). Each of the three also takes one exp per score of the block: the forward's
+# softmax numerator, and the backward kernels' P = exp(S - logsumexp), recomputed rather than stored.
 SPLASH_MATMULS = {"splash_mha_fwd": 2, "splash_mha_dq": 3, "splash_mha_dkv": 4}
+SPLASH_EXPS_PER_SCORE = 1
 
 
-def splash_flops(instr: Instr, comp: Computation) -> float:
-    """A splash kernel's MXU FLOPs, from its operands: q [b, h, T, K] and its block mask [., nq, nkv], of whose
-    blocks a causal mask computes those on or below the diagonal (the kernel skips the rest). 0 for another
-    Pallas kernel (its FLOPs are not stated anywhere in the HLO)."""
+def splash_work(instr: Instr, comp: Computation) -> tuple[float, float]:
+    """A splash kernel's (MXU FLOPs, exps), from its operands: q [b, h, T, K] and its block mask [., nq, nkv], of
+    whose blocks a causal mask computes those on or below the diagonal (the kernel skips the rest). libtpu
+    cannot cost a Pallas kernel; these are the counts its model charges the equivalent XLA dots and exp.
+    (0, 0) for another Pallas kernel (its work is not stated anywhere in the HLO)."""
     matmuls = next((n for name, n in SPLASH_MATMULS.items() if instr.name.startswith(name)), None)
     operands = [comp.instrs[o].arrays[0] for o in instr.operands if o in comp.instrs and comp.instrs[o].arrays]
     q = next((a for a in operands if len(a.dims) == 4 and a.dtype in ("bf16", "f32", "f16")), None)
     mask = operands[0] if operands and len(operands[0].dims) == 3 else None
     if matmuls is None or q is None or mask is None:
-        return 0.0
+        return 0.0, 0.0
     b, h, T, K = q.dims
     nq, nkv = mask.dims[1:]
     bq, bkv = T // nq, T // nkv
     blocks = sum(1 for i in range(nq) for j in range(nkv) if j * bkv <= i * bq + bq - 1)  # causal
-    return 2.0 * matmuls * b * h * blocks * bq * bkv * K
+    scores = b * h * blocks * bq * bkv
+    return 2.0 * matmuls * scores * K, SPLASH_EXPS_PER_SCORE * scores
 
 
 def _called(instr: Instr, *keys: str) -> list[str]:
@@ -588,26 +620,26 @@ def _initial_value(instr: Instr, comp: Computation, index: int) -> int:
 class StepTimeEstimate:
     """Predicted time of one optimizer step on one chip, from the compiled program (not a measurement).
 
-    lower_bound_s = max(compute_s, hbm_s, collective_s): three resources that can overlap but not go faster than
-    their peaks; `mfu_bound` is the MFU at that bound. roofline_s: each op the TensorCore runs at the larger of its
-    compute and HBM times, one op after another (async copies and collectives are DMAs beside them).
+    lower_bound_s = max(compute_s, hbm_s, collective_s): three resources that can overlap; `mfu_bound` is the MFU at
+    that bound. roofline_s: each op the TensorCore runs at the larger of its compute and HBM times at libtpu's rates
+    (trainer/op_cost.py), one op after another (async copies and collectives are DMAs beside them).
     predicted_s = max(roofline_s, hbm_s, collective_s): the ops in series with the DMAs overlapped — what a
-    schedule that hides every collective and prefetch would take with each op at its roofline; `predicted_mfu`
-    is the MFU at that time, and what the planner ranks by. no_overlap_s (every collective in series too) is
-    the pessimistic end.
+    schedule that hides every collective and prefetch would take; `predicted_mfu` is the MFU at that time, and
+    what the planner ranks by. no_overlap_s (every collective in series too) is the pessimistic end.
     """
 
     chip: Chip
     flops: float  # per step: MXU FLOPs of the compiled program, loops multiplied out
     hbm_bytes: float  # per step: HBM bytes read + written
-    compute_s: float  # flops / peak
-    hbm_s: float  # hbm_bytes / HBM bandwidth
+    compute_s: float  # Σ over ops of their MXU / transcendental time
+    hbm_s: float  # hbm_bytes at libtpu's HBM rate
     roofline_s: float  # Σ over ops of max(compute, HBM), async copies left out
     collectives: tuple[Collective, ...]  # per step, largest first
     model_flops: float | None = None  # per step per chip (6N + attention), for MFU
     opaque_kernels: float = 0
     unknown_loops: int = 0
     memory_bound_s: float = 0.0  # the part of roofline_s in ops limited by HBM rather than the MXU
+    splash_kernels: float = 0  # splash attention kernel calls per step, costed from their block shapes
 
     @property
     def collective_s(self) -> float:
@@ -654,13 +686,13 @@ class StepTimeEstimate:
 
     def lines(self) -> list[str]:
         ms = lambda s: f"{s * 1e3:8.2f} ms"  # noqa: E731
-        chip, mfu = self.chip, self.predicted_mfu
+        chip, mfu, rates = self.chip, self.predicted_mfu, op_cost.RATES[self.chip.name]
         lines = [
-            "predicted from the compiled program (not measured), per step per chip:",
-            f"  compute     {ms(self.compute_s)}  {self.flops:.3e} MXU FLOPs at {chip.peak_flops / 1e12:.0f} TFLOP/s,"
-            " loops multiplied out",
+            "predicted from the compiled program (not measured), per step per chip, at libtpu's cost model's rates:",
+            f"  compute     {ms(self.compute_s)}  {self.flops:.3e} MXU FLOPs at {rates.mxu_flops_per_s / 1e12:.0f}"
+            f" TFLOP/s, transcendentals at {rates.transcendentals_per_s / 1e12:.2f} T/s, loops multiplied out",
             f"  HBM         {ms(self.hbm_s)}  {self.hbm_bytes / 2**30:.2f} GiB read + written at"
-            f" {chip.hbm_bytes_per_s / 1e9:.0f} GB/s",
+            f" {rates.hbm_bytes_per_s / 1e9:.0f} GB/s",
             f"  collectives {ms(self.collective_s)}  ICI: a ring over a mesh axis {chip.ring_bytes_per_s / 1e9:.0f}"
             f" GB/s, one link {chip.ici_link_bytes_per_s / 1e9:.0f} GB/s",
             *(f"    {c.row()}" for c in self.collectives),
@@ -672,6 +704,9 @@ class StepTimeEstimate:
             f"  predicted   {ms(self.predicted_s)}  max(op by op, HBM, collectives)"
             + (f" -> predicted MFU {mfu:.1%}" if mfu else "") + f"; bottleneck: {self.bottleneck}",
         ]
+        if self.splash_kernels:
+            lines.append(f"  splash attention: {self.splash_kernels:g} kernel calls costed from their block shapes"
+                         " (the causal blocks' matmuls at the MXU rate, then one exp per score), as libtpu cannot")
         if self.opaque_kernels:
             lines.append(f"  not counted: the FLOPs inside {self.opaque_kernels:g} Pallas kernel calls other than"
                          " splash attention's (their HBM traffic is)")
@@ -708,5 +743,5 @@ def estimate_hlo(text: str, chip: Chip | str, mesh_shape: dict[str, int], *, ste
         chip=chip, flops=cost.flops / k, hbm_bytes=cost.hbm_bytes / k, compute_s=cost.compute_s / k,
         hbm_s=cost.hbm_s / k, roofline_s=cost.roofline_s / k, collectives=collectives,
         model_flops=model_flops_per_step, opaque_kernels=cost.opaque_kernels / k, unknown_loops=cost.unknown_loops,
-        memory_bound_s=cost.memory_bound_s / k,
+        memory_bound_s=cost.memory_bound_s / k, splash_kernels=cost.splash_kernels / k,
     )
