@@ -1,5 +1,5 @@
 """A step-time estimate of a compiled TPU program, read from its optimized HLO: each op at libtpu's cost model's rates
-plus ICI collectives.
+plus the ICI collectives that the schedule leaves exposed.
 
 libtpu's own cost model (`compiled.cost_analysis()["optimal_seconds"]`) gives up on our train call (it returns a
 negative number), and XLA's flop count covers a loop body once. This module walks the compiled program's HLO text
@@ -14,11 +14,12 @@ negative number), and XLA's flop count covers a loop body once. This module walk
 - while loops (scans over layers, the K-step scan, gradient accumulation) multiply their body by the trip count;
   a conditional costs its most expensive branch (the train call's "active" branch is the whole step);
 - each collective's time comes from its bytes and the mesh axis its replica groups run over, at the ICI bandwidth
-  of a bidirectional ring along that axis (`Collective`).
+  of a bidirectional ring along that axis (`Collective`). An async one is hidden by the ops scheduled between its
+  start and its done (the text's order is the schedule); the rest of it, and all of a synchronous one, is exposed.
 
-The step's lower bound is max(compute, HBM, Σ collectives): the MXUs, HBM and the ICI links are three resources
-that can all work at once (prefetches and collectives are DMAs beside the compute). Everything here is a
-prediction from the compiled program, not a measurement.
+The predicted step is the ops in series plus the exposed collectives, and no less than the HBM traffic (async
+prefetches are DMAs beside the compute). Everything here is a prediction from the compiled program, not a
+measurement.
 
 `estimate(compiled, chip, mesh)` is the entry point (trainer/aot.py's report; a planner ranking candidate
 configurations by `StepTimeEstimate.row()`).
@@ -282,10 +283,12 @@ class Collective:
     count: float = 0
     bytes: float = 0  # per chip, all executions
     seconds: float = 0
+    exposed: float = 0  # the part of `seconds` no op scheduled beside it hides (all of it for a synchronous one)
 
     def row(self) -> str:
         return (f"{self.kind} over {self.axis}: {self.count:g}×, {self.bytes / 2**20:.1f} MiB,"
-                f" {self.seconds * 1e3:.2f} ms")
+                f" {self.seconds * 1e3:.2f} ms: {(self.seconds - self.exposed) * 1e3:.2f} hidden,"
+                f" {self.exposed * 1e3:.2f} exposed")
 
 
 def replica_groups(attrs: str, devices: int) -> list[list[int]]:
@@ -352,6 +355,10 @@ class Cost:
     def collective_s(self) -> float:
         return sum(c.seconds for c in self.collectives.values())
 
+    @property
+    def exposed_s(self) -> float:
+        return sum(c.exposed for c in self.collectives.values())
+
     def add(self, other: Cost, times: float = 1.0) -> None:
         for f in ("flops", "hbm_bytes", "compute_s", "hbm_s", "roofline_s", "memory_bound_s", "opaque_kernels",
                   "splash_kernels"):
@@ -362,6 +369,7 @@ class Cost:
             mine.count += times * c.count
             mine.bytes += times * c.bytes
             mine.seconds += times * c.seconds
+            mine.exposed += times * c.exposed
 
 
 class _Walker:
@@ -376,12 +384,64 @@ class _Walker:
         self._transcendentals: dict[str, float] = {}
 
     def computation(self, name: str) -> Cost:
+        """Its ops in schedule order (the text's order): an async collective is hidden by the time of the ops
+        scheduled between its start and its done, and exposed for the rest."""
         if name not in self._costs:
             comp, cost = self.comps[name], Cost()
+            started: dict[str, list] = {}  # pairing key -> [the start, op seconds scheduled since]
             for instr in comp.instrs.values():
-                cost.add(self.op(instr, comp))
+                role, key = self.async_role(instr)
+                if role == "done" and key in started:
+                    start, covered = started.pop(key)
+                    cost.add(_overlapped(self.async_collectives(instr, start), covered))
+                op = self.op(instr, comp)
+                cost.add(op)
+                for pending in started.values():
+                    pending[1] += op.roofline_s
+                if role == "start":
+                    started[key] = [instr, 0.0]
             self._costs[name] = cost
         return self._costs[name]
+
+    def async_role(self, instr: Instr) -> tuple[str | None, str | None]:
+        """("start" or "done", the key pairing them) for a half of an async collective; (None, None) else.
+        Three spellings: `all-gather-start`/`-done` (and the other collectives'), `async-start`/`-done` around a
+        reduce-scatter or all-to-all, and libtpu's async collective fusions, whose fused roots are the custom
+        calls AsyncCollectiveStart / AsyncCollectiveDone, paired by their collective's channel."""
+        code = instr.opcode
+        for half in ("start", "done"):
+            if code.removesuffix(f"-{half}") in COLLECTIVES and code.endswith(f"-{half}"):
+                return half, instr.name if half == "start" else instr.operands[0]
+        if code == "async-start" and self.computation(_called(instr, "calls")[0]).collectives:
+            return "start", instr.name
+        if code == "async-done":
+            return "done", instr.operands[0]
+        if code == "fusion":
+            return self._async_fusions.get(_called(instr, "calls")[0], (None, None))
+        return None, None
+
+    def async_collectives(self, done: Instr, start: Instr) -> Cost:
+        if start.opcode == "async-start":
+            return self.computation(_called(start, "calls")[0])
+        if start.opcode == "fusion":
+            return self.fused_collectives(_called(start, "calls")[0], async_too=True)
+        return self.collective(done, start, kind=start.opcode.removesuffix("-start"))
+
+    @cached_property
+    def _async_fusions(self) -> dict[str, tuple[str, str]]:
+        """Fused computations that start or end an async collective -> (role, its collective's channel id)."""
+        roles = {}
+        for name, comp in self.comps.items():
+            target = (comp.root.attr("custom_call_target") or "").strip('"')
+            role = {"AsyncCollectiveStart": "start", "AsyncCollectiveDone": "done"}.get(target)
+            channel = next((i.attr("channel_id") for i in comp.instrs.values() if i.opcode in COLLECTIVES), None)
+            if role and channel:
+                roles[name] = (role, channel)
+        return roles
+
+    @cached_property
+    def _async_channels(self) -> set[str]:
+        return {channel for _, channel in self._async_fusions.values()}
 
     def op(self, instr: Instr, comp: Computation) -> Cost:
         code = instr.opcode
@@ -390,11 +450,11 @@ class _Walker:
         if code == "conditional":  # the most expensive branch: the train call's "active" one is the whole step
             return max((self.computation(b) for b in _called(instr, "branch_computations", "true_computation",
                                                               "false_computation")),
-                       key=lambda c: c.roofline_s + c.collective_s, default=Cost())
+                       key=lambda c: c.roofline_s + c.exposed_s, default=Cost())
+        if code == "async-start" and self.async_role(instr)[0] == "start":
+            return Cost()  # its collective is charged at its done
         if code in ("call", "async-start"):
             return self.computation(_called(instr, "to_apply", "calls")[0])
-        if code.removesuffix("-done") in COLLECTIVES and code.endswith("-done"):
-            return self.collective(instr, comp.instrs[instr.operands[0]])
         if code in COLLECTIVES:
             return self.collective(instr, instr)
         if code in FREE or code.endswith("-done") or code.removesuffix("-start") in COLLECTIVES:
@@ -406,16 +466,17 @@ class _Walker:
             cost.add(self.fused_collectives(_called(instr, "calls")[0]))
         return cost
 
-    def fused_collectives(self, name: str) -> Cost:
-        """Collectives libtpu fused with compute ("async_collective_fusion": an all-gather overlapped with the
-        matmuls that consume it; "all-reduce-scatter": a reduce-scatter written as an all-reduce)."""
+    def fused_collectives(self, name: str, async_too: bool = False) -> Cost:
+        """Collectives libtpu fused with compute ("all-reduce-scatter": a reduce-scatter written as an
+        all-reduce). An async collective fusion's collective also appears in the fusions that run beside it
+        (the matmuls that consume an all-gather) and in its done: it is charged once, by `async_collectives`."""
         cost = Cost()
         for instr in self.comps[name].instrs.values():
-            if instr.opcode in COLLECTIVES:
+            if instr.opcode in COLLECTIVES and (async_too or instr.attr("channel_id") not in self._async_channels):
                 kind = "reduce-scatter" if name.startswith("all-reduce-scatter") else None
                 cost.add(self.collective(instr, instr, kind=kind))
             elif instr.opcode == "fusion":
-                cost.add(self.fused_collectives(_called(instr, "calls")[0]))
+                cost.add(self.fused_collectives(_called(instr, "calls")[0], async_too))
         return cost
 
     def roofline(self, instr: Instr, comp: Computation) -> Cost:
@@ -480,6 +541,8 @@ class _Walker:
         reads = sum(self.param_read_bytes(fused, fused.parameter(i))
                     for i in range(len(instr.operands)) if fused.parameter(i).hbm_bytes)
         root = fused.root
+        if _collective_buffer(root):
+            return reads
         elements = [fused.instrs[o] for o in root.operands] if root.opcode == "tuple" else [root]
         if len(elements) != len(instr.arrays):
             return reads + instr.hbm_bytes
@@ -494,7 +557,9 @@ class _Walker:
             return value.bytes
         read, shared = 0.0, False
         for user in comp.users[value.name]:
-            if user.opcode in ("dynamic-slice", "slice", "gather") and user.operands[0] == value.name:
+            if _collective_buffer(user) or user.opcode == "tuple" and user.is_root:
+                pass  # a collective's buffer, or one passed through to the fusion's result, unread by its ops
+            elif user.opcode in ("dynamic-slice", "slice", "gather") and user.operands[0] == value.name:
                 read += user.bytes
             elif user.opcode in ("dynamic-update-slice", "scatter") and user.operands[0] == value.name:
                 pass  # updated in place: only the update is written (charged as the fusion's output)
@@ -521,7 +586,7 @@ class _Walker:
         nbytes = instr.bytes * (n if scatter else 1)
         axis = mesh_axis(groups, self.mesh_shape)
         seconds = collective_seconds(kind, n, nbytes, self.chip)
-        return Cost(collectives={(kind, axis): Collective(kind, axis, 1, nbytes, seconds)})
+        return Cost(collectives={(kind, axis): Collective(kind, axis, 1, nbytes, seconds, exposed=seconds)})
 
     def loop(self, instr: Instr, comp: Computation) -> Cost:
         trips = trip_count(instr, comp, self.comps)
@@ -561,6 +626,15 @@ def splash_work(instr: Instr, comp: Computation) -> tuple[float, float]:
     return 2.0 * matmuls * scores * K, SPLASH_EXPS_PER_SCORE * scores
 
 
+def _overlapped(collectives: Cost, covered: float) -> Cost:
+    """An async pair's collectives with `covered` seconds of ops between its halves hiding them (a copy: the
+    walker's costs are cached)."""
+    total = collectives.collective_s
+    share = max(0.0, total - covered) / total if total else 0.0
+    return Cost(collectives={key: dataclasses.replace(c, exposed=c.seconds * share)
+                             for key, c in collectives.collectives.items()})
+
+
 def _called(instr: Instr, *keys: str) -> list[str]:
     names = []
     for key in keys:
@@ -573,7 +647,17 @@ def _space(comp: Computation, name: str) -> int:
     return comp.instrs[name].arrays[0].memory_space if name in comp.instrs else 0
 
 
+def _collective_buffer(instr: Instr) -> bool:
+    """A collective inside a fusion, or the custom call that starts or ends an async one: the buffers it reads and
+    writes are the collective's traffic (its ICI time), not the fusion's (a matmul that runs beside it passes
+    them through)."""
+    target = (instr.attr("custom_call_target") or "").strip('"')
+    return instr.opcode in COLLECTIVES or target in ("AsyncCollectiveStart", "AsyncCollectiveDone")
+
+
 def _written_bytes(element: Instr, fused: Computation) -> float:
+    if element.opcode == "parameter" or _collective_buffer(element):
+        return 0.0  # passed through (the fusion's result aliases its operand), or the collective's to write
     in_place = element.opcode in ("dynamic-update-slice", "scatter")
     if in_place and fused.instrs[element.operands[0]].opcode == "parameter":
         update = element.operands[1 if element.opcode == "dynamic-update-slice" else 2]
@@ -620,12 +704,12 @@ def _initial_value(instr: Instr, comp: Computation, index: int) -> int:
 class StepTimeEstimate:
     """Predicted time of one optimizer step on one chip, from the compiled program (not a measurement).
 
-    lower_bound_s = max(compute_s, hbm_s, collective_s): three resources that can overlap; `mfu_bound` is the MFU at
-    that bound. roofline_s: each op the TensorCore runs at the larger of its compute and HBM times at libtpu's rates
-    (trainer/op_cost.py), one op after another (async copies and collectives are DMAs beside them).
-    predicted_s = max(roofline_s, hbm_s, collective_s): the ops in series with the DMAs overlapped — what a
-    schedule that hides every collective and prefetch would take; `predicted_mfu` is the MFU at that time, and
-    what the planner ranks by. no_overlap_s (every collective in series too) is the pessimistic end.
+    Each op the TensorCore runs costs the larger of its compute and HBM times at libtpu's rates (trainer/op_cost.py);
+    roofline_s is their sum, one op after another (async copies are DMAs beside them). A collective adds the part
+    of its ICI time that the ops scheduled between its start and done do not cover (all of it when synchronous):
+    predicted_s = max(roofline_s + exposed_s, hbm_s). `predicted_mfu` is the MFU at that time, and what the
+    planner ranks by. lower_bound_s = max(compute_s, hbm_s, collective_s) (`mfu_bound` its MFU) is what the three
+    resources allow if everything overlapped; no_overlap_s (every collective in series) the pessimistic end.
     """
 
     chip: Chip
@@ -646,6 +730,10 @@ class StepTimeEstimate:
         return sum(c.seconds for c in self.collectives)
 
     @property
+    def exposed_s(self) -> float:
+        return sum(c.exposed for c in self.collectives)
+
+    @property
     def lower_bound_s(self) -> float:
         return max(self.compute_s, self.hbm_s, self.collective_s)
 
@@ -656,7 +744,7 @@ class StepTimeEstimate:
 
     @property
     def predicted_s(self) -> float:
-        return max(self.roofline_s, self.hbm_s, self.collective_s)
+        return max(self.roofline_s + self.exposed_s, self.hbm_s)
 
     @property
     def predicted_mfu(self) -> float | None:
@@ -668,12 +756,14 @@ class StepTimeEstimate:
 
     @property
     def bottleneck(self) -> str:
-        """What sets the predicted time: the collectives (named by their largest kind and mesh axis), HBM
-        traffic, or the ops in series — "compute" when most of their time is in MXU-bound ops, else "memory"."""
-        if self.collectives and self.collective_s >= max(self.roofline_s, self.hbm_s):
-            return f"collectives: {self.collectives[0].kind} over {self.collectives[0].axis}"
-        if self.hbm_s > self.roofline_s:
+        """What sets the predicted time: exposed collectives (named by their largest kind and mesh axis) when they
+        outweigh the ops, HBM traffic, or the ops in series — "compute" when most of their time is in MXU-bound
+        ops, else "memory"."""
+        if self.hbm_s > self.roofline_s + self.exposed_s:
             return "memory (HBM)"
+        if self.exposed_s > self.roofline_s:
+            worst = max(self.collectives, key=lambda c: c.exposed)
+            return f"collectives: {worst.kind} over {worst.axis}"
         share = self.memory_bound_s / self.roofline_s if self.roofline_s else 0.0
         return f"memory ({share:.0%} of op time)" if share > 0.5 else f"compute ({1 - share:.0%} of op time)"
 
@@ -681,8 +771,8 @@ class StepTimeEstimate:
         """One line of a table ranking candidate configurations."""
         return {"step_ms": self.predicted_s * 1e3, "mfu": self.predicted_mfu, "compute_ms": self.compute_s * 1e3,
                 "hbm_ms": self.hbm_s * 1e3, "collective_ms": self.collective_s * 1e3,
-                "ops_ms": self.roofline_s * 1e3, "no_overlap_ms": self.no_overlap_s * 1e3,
-                "bottleneck": self.bottleneck}
+                "exposed_ms": self.exposed_s * 1e3, "ops_ms": self.roofline_s * 1e3,
+                "no_overlap_ms": self.no_overlap_s * 1e3, "bottleneck": self.bottleneck}
 
     def lines(self) -> list[str]:
         ms = lambda s: f"{s * 1e3:8.2f} ms"  # noqa: E731
@@ -694,14 +784,14 @@ class StepTimeEstimate:
             f"  HBM         {ms(self.hbm_s)}  {self.hbm_bytes / 2**30:.2f} GiB read + written at"
             f" {rates.hbm_bytes_per_s / 1e9:.0f} GB/s",
             f"  collectives {ms(self.collective_s)}  ICI: a ring over a mesh axis {chip.ring_bytes_per_s / 1e9:.0f}"
-            f" GB/s, one link {chip.ici_link_bytes_per_s / 1e9:.0f} GB/s",
+            f" GB/s, one link {chip.ici_link_bytes_per_s / 1e9:.0f} GB/s; {self.exposed_s * 1e3:.2f} ms exposed",
             *(f"    {c.row()}" for c in self.collectives),
             f"  lower bound {ms(self.lower_bound_s)}  max(compute, HBM, collectives)"
             + (f" -> MFU <= {self.mfu_bound:.1%}" if mfu else ""),
             f"  op by op    {ms(self.roofline_s)}  each op at max(its compute, its HBM), one after another"
             f" ({self.memory_bound_s / max(self.roofline_s, 1e-12):.0%} in HBM-bound ops);"
             f" {self.no_overlap_s * 1e3:.2f} ms with every collective in series",
-            f"  predicted   {ms(self.predicted_s)}  max(op by op, HBM, collectives)"
+            f"  predicted   {ms(self.predicted_s)}  op by op + exposed collectives (at least HBM)"
             + (f" -> predicted MFU {mfu:.1%}" if mfu else "") + f"; bottleneck: {self.bottleneck}",
         ]
         if self.splash_kernels:
@@ -737,7 +827,8 @@ def estimate_hlo(text: str, chip: Chip | str, mesh_shape: dict[str, int], *, ste
     cost = _Walker(comps, chip, mesh_shape).computation(entry)
     k = steps_per_call
     collectives = tuple(sorted(
-        (Collective(c.kind, c.axis, c.count / k, c.bytes / k, c.seconds / k) for c in cost.collectives.values()),
+        (Collective(c.kind, c.axis, c.count / k, c.bytes / k, c.seconds / k, c.exposed / k)
+         for c in cost.collectives.values()),
         key=lambda c: -c.seconds))
     return StepTimeEstimate(
         chip=chip, flops=cost.flops / k, hbm_bytes=cost.hbm_bytes / k, compute_s=cost.compute_s / k,
