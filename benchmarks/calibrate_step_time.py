@@ -5,7 +5,7 @@ compiled on its own for a TPU topology (no TPU needed), our estimate vs libtpu's
     python -m benchmarks.calibrate_step_time --chips v5e v6e --draws 2 --seed 7 --json sweep.json --fit
 
 Each op runs on every chip of a 4-chip mesh with replicated inputs (or rows split over the chips, where a class
-says so), compiled with op_cost.HBM_ONLY. Shapes are drawn from the GPT-2 range: rows 512..16384, widths
+says so), compiled with op_cost.HBM_ONLY; each chip gets its own draws. Shapes are drawn from the GPT-2 range: rows 512..16384, widths
 64..6400, head dim 64 or 128, sequence 256..2048, vocabulary 50304 or 50257. The table has, per program:
 ours (trainer/step_time.py's predicted_s), libtpu's optimal_seconds and their ratio, and `formula`: libtpu's
 figure rebuilt from the HLO by its own accounting (op_cost's module docstring) at the rates in op_cost.RATES, to
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, start = [], time.time()
     print(f"{'op class':16s} {'chip':5s} {'ours us':>10s} {'libtpu us':>10s} {'ratio':>6s} {'formula':>7s}  shape")
     for chip in args.chips:
-        mesh, rng = mesh_for(chip), np.random.default_rng(args.seed)
+        mesh, rng = mesh_for(chip), np.random.default_rng([args.seed, list(TOPOLOGIES).index(chip)])
         ops = [*RATE_PROBES, *(OP_CLASSES[c](rng) for c in args.classes for _ in range(args.draws))]
         for op in ops:
             r = measure(op, chip, mesh, {} if args.default_compile else None)

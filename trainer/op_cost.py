@@ -1,6 +1,6 @@
 """What one op of a compiled TPU program costs one chip, at the rates of libtpu's own cost model.
 
-libtpu's `optimal_seconds` (`compiled.cost_analysis()`) for a program of standalone ops is, within 1.6 % (median
+libtpu's `optimal_seconds` (`compiled.cost_analysis()`) for a program of standalone ops is, within 1.9 % (median
 0.0 %) on every op class benchmarks/calibrate_step_time.py sweeps, the sum over the program's instructions of
 
     max(FLOPs / mxu_flops_per_s, transcendentals / transcendentals_per_s, bytes / hbm_bytes_per_s)
@@ -42,7 +42,8 @@ class Rates:
 # Fitted to the sweep in benchmarks/calibrate_step_time.py on 2026-11-25, libtpu 0.0.42.1 (jax 0.10.2): 228 programs
 # (per chip 3 rate probes + 9 op classes × 6 GPT-2 shapes), each rate the largest count / optimal_seconds over
 # them, which the probe bound by that term attains. Our estimate / libtpu over the sweep: median 1.000, range
-# 0.984-1.000 on every chip (max error 1.6 %, on the cross-entropy).
+# 0.981-1.000 (max error 1.9 %, on the cross-entropy: libtpu charges its label gather 5-8 KB per gathered element,
+# a tile's worth, where we count the element).
 # Against the published peaks (trainer/step_time.py's CHIPS): the MXU at 100 % of peak but on v5p (86 %: 394 of
 # 459 TFLOP/s), HBM at 82 % (v4), 90 % (v5e), 85 % (v5p), 100 % (v6e); transcendentals at 1024 lanes × clock
 # (v4 1.05 GHz, v5e 1.5, v6e 1.75) and 2048 × 1.5 GHz on v5p.
