@@ -22,7 +22,7 @@ def test_gpt2_124m_compiles_and_fits_on_v5e_2x2():
     assert 0.5 < used < 16.0  # GiB: at least the replicated params + AdamW state, at most the chip
     bound = next(line for line in out.splitlines() if line.strip().startswith("lower bound"))
     assert float(bound.split()[2]) > 0 and "MFU <=" in bound  # ms per step, from the compiled program
-    predicted = next(line for line in out.splitlines() if "max(op by op, HBM, collectives)" in line)
+    predicted = next(line for line in out.splitlines() if "op by op + exposed collectives" in line)
     assert float(predicted.split()[1]) >= float(bound.split()[2])
     assert "predicted MFU" in predicted and "bottleneck:" in predicted
 

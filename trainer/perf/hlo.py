@@ -25,10 +25,29 @@ class Array:
     dtype: str
     dims: tuple[int, ...]
     memory_space: int  # 0 HBM; 1 VMEM; others are sync flags / SMEM
+    elements: int  # as stored: the layout's tile pads the minor dimensions (stored_elements)
 
     @property
     def bytes(self) -> float:
-        return math.prod(self.dims) * DTYPE_BYTES.get(self.dtype, 4)
+        return self.elements * DTYPE_BYTES.get(self.dtype, 4)
+
+
+def stored_elements(dims: tuple[int, ...], layout: str) -> int:
+    """Elements an array occupies under its layout ("1,0:T(8,128)(2,1)S(1)"): its first tile pads the minor
+    dimensions (in minor-to-major order) to whole tiles; later tiles ((2,1): bfloat16 pairs) pack within it. A
+    float32 [8192, 100] laid out {0,1:T(8,128)} is stored as 100 rows of 8192, the 100 padded to 104 (the tile's
+    8): 8192 × 104 elements, as libtpu counts it."""
+    minor_to_major, _, rest = layout.partition(":")
+    order = [int(d) for d in minor_to_major.split(",") if d.strip()]
+    tile = re.match(r"T\(([0-9,]+)\)", rest)
+    if not dims or not tile or len(order) != len(dims):
+        return math.prod(dims)
+    physical = [dims[d] for d in reversed(order)]  # major to minor
+    for i, size in enumerate(reversed([int(t) for t in tile.group(1).split(",")])):
+        if i < len(physical):
+            j = len(physical) - 1 - i
+            physical[j] = -(-physical[j] // size) * size
+    return math.prod(physical)
 
 
 def _arrays(shape: str) -> tuple[Array, ...]:
@@ -36,7 +55,8 @@ def _arrays(shape: str) -> tuple[Array, ...]:
     out = []
     for dtype, dims, layout in _ARRAY.findall(shape):
         space = re.search(r"S\((\d+)\)", layout or "")
-        out.append(Array(dtype, tuple(int(d) for d in dims.split(",") if d), int(space.group(1)) if space else 0))
+        dims = tuple(int(d) for d in dims.split(",") if d)
+        out.append(Array(dtype, dims, int(space.group(1)) if space else 0, stored_elements(dims, layout)))
     return tuple(out)
 
 

@@ -1,21 +1,25 @@
-"""A step-time estimate of a compiled TPU program, read from its optimized HLO: a roofline per op plus ICI collectives.
+"""A step-time estimate of a compiled TPU program, read from its optimized HLO: each op at libtpu's cost model's rates
+plus the ICI collectives that the schedule leaves exposed.
 
 libtpu's own cost model (`compiled.cost_analysis()["optimal_seconds"]`) gives up on our train call (it returns a
 negative number), and XLA's flop count covers a loop body once. This module walks the compiled program's HLO text
-(`compiled.as_text()`, the module libtpu scheduled) instead:
+(`compiled.as_text()`, the module libtpu scheduled) instead, costing each op as libtpu's model costs it on its own
+(trainer/perf/op_cost.py; benchmarks/calibrate_step_time.py checks the two agree):
 
-- compute: the MXU's FLOPs (convolutions and dots, from their shapes) at the chip's peak; elementwise work runs on
-  the vector unit beside it and is left out, its cost shows up as HBM traffic.
+- compute: the MXU's FLOPs (convolutions and dots, from their shapes) and the transcendentals (exp, tanh, rsqrt, ...
+  one per element), each at libtpu's rate for the chip; splash attention's Pallas kernels from their block shapes;
 - HBM: the bytes each op the TensorCore runs (a fusion, a copy, an async prefetch) reads from and writes to HBM, at
-  the HBM bandwidth; arrays the compiler placed in VMEM (layout memory space S(1)) or SMEM cost nothing.
+  their stored size (tile padding included), at libtpu's HBM rate; arrays the compiler placed in VMEM (layout
+  memory space S(1)) or SMEM cost nothing;
 - while loops (scans over layers, the K-step scan, gradient accumulation) multiply their body by the trip count;
-  a conditional costs its most expensive branch (the train call's "active" branch is the whole step).
+  a conditional costs its most expensive branch (the train call's "active" branch is the whole step);
 - each collective's time comes from its bytes and the mesh axis its replica groups run over, at the ICI bandwidth
-  of a bidirectional ring along that axis (`Collective`).
+  of a bidirectional ring along that axis (trainer/perf/collectives.py). An async one is hidden by the ops scheduled between its
+  start and its done (the text's order is the schedule); the rest of it, and all of a synchronous one, is exposed.
 
-The step's lower bound is max(compute, HBM, Σ collectives): the MXUs, HBM and the ICI links are three resources
-that can all work at once (prefetches and collectives are DMAs beside the compute), and none can go faster than
-its peak. Everything here is a prediction from the compiled program, not a measurement.
+The predicted step is the ops in series plus the exposed collectives, and no less than the HBM traffic (async
+prefetches are DMAs beside the compute). Everything here is a prediction from the compiled program, not a
+measurement.
 
 `estimate(compiled, chip, mesh)` is the entry point (trainer/perf/aot.py's report; a planner ranking candidate
 configurations by `StepTimeEstimate.row()`).
@@ -25,104 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
-
-import numpy as np
+from functools import cached_property
 
 from trainer.hardware import CHIPS, Chip
+from trainer.perf import op_cost
+from trainer.perf.collectives import COLLECTIVES, Collective, collective_seconds
 from trainer.perf.hlo import Computation, Instr, called, memory_space, mesh_axis, parse_hlo, replica_groups, trip_count
-
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-# ---------------------------------------------------------------------------------------------- FLOPs
-
-def _labels(instr: Instr) -> tuple[str, str, str]:
-    lhs, rest = instr.attr("dim_labels").split("_")
-    rhs, out = rest.split("->")
-    return lhs, rhs, out
-
-
-def _window(instr: Instr, rank: int) -> dict[str, list]:
-    """The convolution window's per-spatial-dimension fields (size, stride, pad, lhs/rhs dilation)."""
-    w = {"size": [1] * rank, "stride": [1] * rank, "pad": [(0, 0)] * rank, "lhs_dilate": [1] * rank,
-         "rhs_dilate": [1] * rank}
-    m = re.search(r"window=\{([^}]*)\}", instr.attrs)
-    for field in (m.group(1).split() if m else []):
-        key, value = field.split("=")
-        if key == "pad":
-            w["pad"] = [tuple(int(p) for p in part.split("_")) for part in value.split("x")]
-        elif key in w:
-            w[key] = [int(v) for v in value.split("x")]
-    return w
-
-
-def _valid_taps(in_size: int, out_size: int, size: int, stride: int, pad: tuple[int, int], lhs_dilate: int,
-                rhs_dilate: int) -> int:
-    """(output position, window tap) pairs that land on a real input element along one spatial dimension.
-
-    TPU HLO writes batched matmuls as convolutions with base dilation (`lhs_dilate`), where most taps land in the
-    dilation holes; counting only real taps gives the matmul's true FLOPs (as XLA's own cost analysis does).
-    """
-    o = np.arange(out_size)[:, None]
-    k = np.arange(size)[None, :]
-    p = o * stride + k * rhs_dilate - pad[0]
-    real = (p >= 0) & (p <= (in_size - 1) * lhs_dilate) & (p % lhs_dilate == 0)
-    return int(real.sum())
-
-
-def convolution_flops(instr: Instr, comp: Computation) -> float:
-    """2 × output batch × output features × kernel input features × real window taps."""
-    lhs_labels, rhs_labels, out_labels = _labels(instr)
-    lhs, rhs, out = comp.instrs[instr.operands[0]].arrays[0], comp.instrs[instr.operands[1]].arrays[0], instr.arrays[0]
-    spatial = [c for c in out_labels if c.isdigit()]
-    w = _window(instr, len(spatial))
-    taps = 1
-    for d, c in enumerate(sorted(spatial)):
-        taps *= _valid_taps(lhs.dims[lhs_labels.index(c)], out.dims[out_labels.index(c)], w["size"][d],
-                            w["stride"][d], w["pad"][d], w["lhs_dilate"][d], w["rhs_dilate"][d])
-    batch, features = out.dims[out_labels.index("b")], out.dims[out_labels.index("f")]
-    return 2.0 * batch * features * rhs.dims[rhs_labels.index("i")] * taps
-
-
-def dot_flops(instr: Instr, comp: Computation) -> float:
-    """2 × output elements × contracted elements."""
-    lhs = comp.instrs[instr.operands[0]].arrays[0]
-    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", instr.attrs)
-    dims = [int(d) for d in contracting.group(1).split(",") if d] if contracting else []
-    return 2.0 * math.prod(instr.arrays[0].dims) * math.prod(lhs.dims[d] for d in dims)
-
-
-# ---------------------------------------------------------------------------------------------- collectives
-
-@dataclasses.dataclass
-class Collective:
-    """One kind of collective over one mesh axis, summed over its executions (trip counts included).
-
-    Time of one execution on a bidirectional ring of n chips at `Chip.ring_bytes_per_s` (B: bytes per chip of the
-    full array, the all-gather's output / the reduce-scatter's input / the all-reduce's array):
-      all-gather, reduce-scatter: (n-1)/n × B / ring;  all-reduce (a reduce-scatter then an all-gather):
-      2 (n-1)/n × B / ring;  all-to-all: (n-1)/n × B / ring (what leaves each chip; a lower bound, as hops
-      beyond the first are not charged);  collective-permute: B / one link (one hop, one direction).
-    """
-
-    kind: str
-    axis: str  # the mesh axes the replica groups vary over, e.g. "data" or "data+fsdp"
-    count: float = 0
-    bytes: float = 0  # per chip, all executions
-    seconds: float = 0
-
-    def row(self) -> str:
-        return (f"{self.kind} over {self.axis}: {self.count:g}×, {self.bytes / 2**20:.1f} MiB,"
-                f" {self.seconds * 1e3:.2f} ms")
-
-
-def collective_seconds(kind: str, n: int, nbytes: float, chip: Chip) -> float:
-    if kind == "collective-permute":
-        return nbytes / chip.ici_link_bytes_per_s
-    ring = (n - 1) / n * nbytes / chip.ring_bytes_per_s
-    return 2 * ring if kind == "all-reduce" else ring
-
 
 # ---------------------------------------------------------------------------------------------- costs
 
@@ -145,14 +57,20 @@ class Cost:
     memory_bound_s: float = 0.0  # the part of roofline_s spent in ops whose HBM time exceeds their compute time
     collectives: dict[tuple[str, str], Collective] = dataclasses.field(default_factory=dict)
     opaque_kernels: float = 0  # Pallas / Mosaic kernels (tpu_custom_call), whose FLOPs the HLO does not state
+    splash_kernels: float = 0  # splash attention's kernels, costed from their block shapes
     unknown_loops: int = 0  # while loops whose trip count could not be read (counted once)
 
     @property
     def collective_s(self) -> float:
         return sum(c.seconds for c in self.collectives.values())
 
+    @property
+    def exposed_s(self) -> float:
+        return sum(c.exposed for c in self.collectives.values())
+
     def add(self, other: Cost, times: float = 1.0) -> None:
-        for f in ("flops", "hbm_bytes", "compute_s", "hbm_s", "roofline_s", "memory_bound_s", "opaque_kernels"):
+        for f in ("flops", "hbm_bytes", "compute_s", "hbm_s", "roofline_s", "memory_bound_s", "opaque_kernels",
+                  "splash_kernels"):
             setattr(self, f, getattr(self, f) + times * getattr(other, f))
         self.unknown_loops += other.unknown_loops
         for key, c in other.collectives.items():
@@ -160,6 +78,7 @@ class Cost:
             mine.count += times * c.count
             mine.bytes += times * c.bytes
             mine.seconds += times * c.seconds
+            mine.exposed += times * c.exposed
 
 
 class _Walker:
@@ -168,16 +87,70 @@ class _Walker:
     def __init__(self, comps: dict[str, Computation], chip: Chip, mesh_shape: dict[str, int]):
         self.comps, self.chip, self.mesh_shape = comps, chip, mesh_shape
         self.devices = math.prod(mesh_shape.values())
+        self.rates = op_cost.RATES[chip.name]
         self._costs: dict[str, Cost] = {}
         self._flops: dict[str, float] = {}
+        self._transcendentals: dict[str, float] = {}
 
     def computation(self, name: str) -> Cost:
+        """Its ops in schedule order (the text's order): an async collective is hidden by the time of the ops
+        scheduled between its start and its done, and exposed for the rest."""
         if name not in self._costs:
             comp, cost = self.comps[name], Cost()
+            started: dict[str, list] = {}  # pairing key -> [the start, op seconds scheduled since]
             for instr in comp.instrs.values():
-                cost.add(self.op(instr, comp))
+                role, key = self.async_role(instr)
+                if role == "done" and key in started:
+                    start, covered = started.pop(key)
+                    cost.add(_overlapped(self.async_collectives(instr, start), covered))
+                op = self.op(instr, comp)
+                cost.add(op)
+                for pending in started.values():
+                    pending[1] += op.roofline_s
+                if role == "start":
+                    started[key] = [instr, 0.0]
             self._costs[name] = cost
         return self._costs[name]
+
+    def async_role(self, instr: Instr) -> tuple[str | None, str | None]:
+        """("start" or "done", the key pairing them) for a half of an async collective; (None, None) else.
+        Three spellings: `all-gather-start`/`-done` (and the other collectives'), `async-start`/`-done` around a
+        reduce-scatter or all-to-all, and libtpu's async collective fusions, whose fused roots are the custom
+        calls AsyncCollectiveStart / AsyncCollectiveDone, paired by their collective's channel."""
+        code = instr.opcode
+        for half in ("start", "done"):
+            if code.removesuffix(f"-{half}") in COLLECTIVES and code.endswith(f"-{half}"):
+                return half, instr.name if half == "start" else instr.operands[0]
+        if code == "async-start" and self.computation(called(instr, "calls")[0]).collectives:
+            return "start", instr.name
+        if code == "async-done":
+            return "done", instr.operands[0]
+        if code == "fusion":
+            return self._async_fusions.get(called(instr, "calls")[0], (None, None))
+        return None, None
+
+    def async_collectives(self, done: Instr, start: Instr) -> Cost:
+        if start.opcode == "async-start":
+            return self.computation(called(start, "calls")[0])
+        if start.opcode == "fusion":
+            return self.fused_collectives(called(start, "calls")[0], async_too=True)
+        return self.collective(done, start, kind=start.opcode.removesuffix("-start"))
+
+    @cached_property
+    def _async_fusions(self) -> dict[str, tuple[str, str]]:
+        """Fused computations that start or end an async collective -> (role, its collective's channel id)."""
+        roles = {}
+        for name, comp in self.comps.items():
+            target = (comp.root.attr("custom_call_target") or "").strip('"')
+            role = {"AsyncCollectiveStart": "start", "AsyncCollectiveDone": "done"}.get(target)
+            channel = next((i.attr("channel_id") for i in comp.instrs.values() if i.opcode in COLLECTIVES), None)
+            if role and channel:
+                roles[name] = (role, channel)
+        return roles
+
+    @cached_property
+    def _async_channels(self) -> set[str]:
+        return {channel for _, channel in self._async_fusions.values()}
 
     def op(self, instr: Instr, comp: Computation) -> Cost:
         code = instr.opcode
@@ -186,11 +159,11 @@ class _Walker:
         if code == "conditional":  # the most expensive branch: the train call's "active" one is the whole step
             return max((self.computation(b) for b in called(instr, "branch_computations", "true_computation",
                                                               "false_computation")),
-                       key=lambda c: c.roofline_s + c.collective_s, default=Cost())
+                       key=lambda c: c.roofline_s + c.exposed_s, default=Cost())
+        if code == "async-start" and self.async_role(instr)[0] == "start":
+            return Cost()  # its collective is charged at its done
         if code in ("call", "async-start"):
             return self.computation(called(instr, "to_apply", "calls")[0])
-        if code.removesuffix("-done") in COLLECTIVES and code.endswith("-done"):
-            return self.collective(instr, comp.instrs[instr.operands[0]])
         if code in COLLECTIVES:
             return self.collective(instr, instr)
         if code in FREE or code.endswith("-done") or code.removesuffix("-start") in COLLECTIVES:
@@ -202,43 +175,59 @@ class _Walker:
             cost.add(self.fused_collectives(called(instr, "calls")[0]))
         return cost
 
-    def fused_collectives(self, name: str) -> Cost:
-        """Collectives libtpu fused with compute ("async_collective_fusion": an all-gather overlapped with the
-        matmuls that consume it; "all-reduce-scatter": a reduce-scatter written as an all-reduce)."""
+    def fused_collectives(self, name: str, async_too: bool = False) -> Cost:
+        """Collectives libtpu fused with compute ("all-reduce-scatter": a reduce-scatter written as an
+        all-reduce). An async collective fusion's collective also appears in the fusions that run beside it
+        (the matmuls that consume an all-gather) and in its done: it is charged once, by `async_collectives`."""
         cost = Cost()
         for instr in self.comps[name].instrs.values():
-            if instr.opcode in COLLECTIVES:
+            if instr.opcode in COLLECTIVES and (async_too or instr.attr("channel_id") not in self._async_channels):
                 kind = "reduce-scatter" if name.startswith("all-reduce-scatter") else None
                 cost.add(self.collective(instr, instr, kind=kind))
             elif instr.opcode == "fusion":
-                cost.add(self.fused_collectives(called(instr, "calls")[0]))
+                cost.add(self.fused_collectives(called(instr, "calls")[0], async_too))
         return cost
 
     def roofline(self, instr: Instr, comp: Computation) -> Cost:
-        flops = self.flops(instr, comp)
-        nbytes = self.hbm_bytes(instr, comp)
-        compute, memory = flops / self.chip.peak_flops, nbytes / self.chip.hbm_bytes_per_s
+        flops, nbytes = self.flops(instr, comp), self.hbm_bytes(instr, comp)
         kernel = instr.attr("custom_call_target") == '"tpu_custom_call"'
+        work = op_cost.kernel_compute_seconds if kernel else op_cost.compute_seconds
+        compute = work(self.rates, flops, self.transcendentals(instr, comp))
+        memory = op_cost.memory_seconds(self.rates, nbytes)
         # an async copy (a prefetch into VMEM, an eviction) is a DMA beside the compute: it uses HBM bandwidth
         # but does not hold up the ops in series
         serial = 0.0 if instr.opcode in ASYNC_COPIES else max(compute, memory)
         return Cost(flops=flops, hbm_bytes=nbytes, compute_s=compute, hbm_s=memory, roofline_s=serial,
-                    memory_bound_s=serial if memory > compute else 0.0, opaque_kernels=kernel and not flops)
+                    memory_bound_s=serial if memory > compute else 0.0, opaque_kernels=kernel and not flops,
+                    splash_kernels=kernel and flops > 0)
 
     def flops(self, instr: Instr, comp: Computation) -> float:
+        """MXU FLOPs: convolutions, dots and splash's kernels, in fusions too."""
         if instr.opcode == "custom-call" and instr.attr("custom_call_target") == '"tpu_custom_call"':
-            return splash_flops(instr, comp)
+            return op_cost.splash_work(instr, comp)[0]
         if instr.opcode == "convolution":
-            return convolution_flops(instr, comp)
+            return op_cost.convolution_flops(instr, comp)
         if instr.opcode == "dot":
-            return dot_flops(instr, comp)
-        if instr.opcode == "fusion":
-            name = called(instr, "calls")[0]
-            if name not in self._flops:
-                fused = self.comps[name]
-                self._flops[name] = sum(self.flops(i, fused) for i in fused.instrs.values())
-            return self._flops[name]
-        return 0.0
+            return op_cost.dot_flops(instr, comp)
+        return self._fused_sum(instr, self.flops, self._flops)
+
+    def transcendentals(self, instr: Instr, comp: Computation) -> float:
+        """Elements of exp, log, tanh, rsqrt, ... results (one transcendental each), in fusions too."""
+        if instr.opcode == "custom-call" and instr.attr("custom_call_target") == '"tpu_custom_call"':
+            return op_cost.splash_work(instr, comp)[1]
+        if instr.opcode in op_cost.TRANSCENDENTAL:
+            return sum(math.prod(a.dims) for a in instr.arrays)
+        return self._fused_sum(instr, self.transcendentals, self._transcendentals)
+
+    def _fused_sum(self, instr: Instr, count, cache: dict[str, float]) -> float:
+        """`count` summed over a fusion's instructions, once per fused computation."""
+        if instr.opcode != "fusion":
+            return 0.0
+        name = called(instr, "calls")[0]
+        if name not in cache:
+            fused = self.comps[name]
+            cache[name] = sum(count(i, fused) for i in fused.instrs.values())
+        return cache[name]
 
     def hbm_bytes(self, instr: Instr, comp: Computation) -> float:
         """Bytes this op reads from and writes to HBM (arrays in VMEM / SMEM cost nothing)."""
@@ -261,6 +250,8 @@ class _Walker:
         reads = sum(self.param_read_bytes(fused, fused.parameter(i))
                     for i in range(len(instr.operands)) if fused.parameter(i).hbm_bytes)
         root = fused.root
+        if _collective_buffer(root):
+            return reads
         elements = [fused.instrs[o] for o in root.operands] if root.opcode == "tuple" else [root]
         if len(elements) != len(instr.arrays):
             return reads + instr.hbm_bytes
@@ -268,10 +259,16 @@ class _Walker:
         return reads + writes
 
     def param_read_bytes(self, comp: Computation, value: Instr) -> float:
-        """Bytes of `value` (an HBM array) the fused ops read: a slice's worth when they only slice it."""
-        read = 0.0
+        """Bytes of `value` (an HBM array) the fused ops read, as XLA's cost analysis (and libtpu's) counts them: a
+        slice's worth where they only slice it, each nested fusion's own reads (a nested fusion is recomputed
+        where it is used), and one read shared by every other user."""
+        if value.is_root:  # a nested fusion's result (a bitcast of a matmul's operand): its user reads it whole
+            return value.bytes
+        read, shared = 0.0, False
         for user in comp.users[value.name]:
-            if user.opcode in ("dynamic-slice", "slice", "gather") and user.operands[0] == value.name:
+            if _collective_buffer(user) or user.opcode == "tuple" and user.is_root:
+                pass  # a collective's buffer, or one passed through to the fusion's result, unread by its ops
+            elif user.opcode in ("dynamic-slice", "slice", "gather") and user.operands[0] == value.name:
                 read += user.bytes
             elif user.opcode in ("dynamic-update-slice", "scatter") and user.operands[0] == value.name:
                 pass  # updated in place: only the update is written (charged as the fusion's output)
@@ -279,10 +276,11 @@ class _Walker:
                 read += self.param_read_bytes(comp, user)
             elif user.opcode == "fusion":
                 nested = self.comps[called(user, "calls")[0]]
-                read += self.param_read_bytes(nested, nested.parameter(user.operands.index(value.name)))
-            else:
-                return value.bytes
-        return min(read, value.bytes)
+                read += sum(self.param_read_bytes(nested, nested.parameter(i))
+                            for i, o in enumerate(user.operands) if o == value.name)
+            elif not shared:
+                read, shared = read + value.bytes, True
+        return read
 
     def collective(self, instr: Instr, start: Instr, kind: str | None = None) -> Cost:
         """`start` carries the replica groups (an async pair's first half); `kind` overrides the opcode's."""
@@ -297,7 +295,7 @@ class _Walker:
         nbytes = instr.bytes * (n if scatter else 1)
         axis = mesh_axis(groups, self.mesh_shape)
         seconds = collective_seconds(kind, n, nbytes, self.chip)
-        return Cost(collectives={(kind, axis): Collective(kind, axis, 1, nbytes, seconds)})
+        return Cost(collectives={(kind, axis): Collective(kind, axis, 1, nbytes, seconds, exposed=seconds)})
 
     def loop(self, instr: Instr, comp: Computation) -> Cost:
         trips = trip_count(instr, comp, self.comps)
@@ -309,31 +307,26 @@ class _Walker:
 
 ASYNC_COPIES = {"copy-start", "slice-start"}
 
-# The splash kernels (gpt2/splash.py) by name, and the [bq, K] × [K, bkv] matmuls each runs per computed block:
-# forward QKᵀ and PV; dq recomputes QKᵀ, then dP = dO Vᵀ and dQ = dS K; dkv recomputes QKᵀ and dP, then
-# dV = Pᵀ dO and dK = dSᵀ Q (splash_attention_kernel.py's _flash_attention_kernel, _flash_attention_dq_kernel,
-# _flash_attention_dkv_kernel).
-SPLASH_MATMULS = {"splash_mha_fwd": 2, "splash_mha_dq": 3, "splash_mha_dkv": 4}
+def _overlapped(collectives: Cost, covered: float) -> Cost:
+    """An async pair's collectives with `covered` seconds of ops between its halves hiding them (a copy: the
+    walker's costs are cached)."""
+    total = collectives.collective_s
+    share = max(0.0, total - covered) / total if total else 0.0
+    return Cost(collectives={key: dataclasses.replace(c, exposed=c.seconds * share)
+                             for key, c in collectives.collectives.items()})
 
 
-def splash_flops(instr: Instr, comp: Computation) -> float:
-    """A splash kernel's MXU FLOPs, from its operands: q [b, h, T, K] and its block mask [., nq, nkv], of whose
-    blocks a causal mask computes those on or below the diagonal (the kernel skips the rest). 0 for another
-    Pallas kernel (its FLOPs are not stated anywhere in the HLO)."""
-    matmuls = next((n for name, n in SPLASH_MATMULS.items() if instr.name.startswith(name)), None)
-    operands = [comp.instrs[o].arrays[0] for o in instr.operands if o in comp.instrs and comp.instrs[o].arrays]
-    q = next((a for a in operands if len(a.dims) == 4 and a.dtype in ("bf16", "f32", "f16")), None)
-    mask = operands[0] if operands and len(operands[0].dims) == 3 else None
-    if matmuls is None or q is None or mask is None:
-        return 0.0
-    b, h, T, K = q.dims
-    nq, nkv = mask.dims[1:]
-    bq, bkv = T // nq, T // nkv
-    blocks = sum(1 for i in range(nq) for j in range(nkv) if j * bkv <= i * bq + bq - 1)  # causal
-    return 2.0 * matmuls * b * h * blocks * bq * bkv * K
+def _collective_buffer(instr: Instr) -> bool:
+    """A collective inside a fusion, or the custom call that starts or ends an async one: the buffers it reads and
+    writes are the collective's traffic (its ICI time), not the fusion's (a matmul that runs beside it passes
+    them through)."""
+    target = (instr.attr("custom_call_target") or "").strip('"')
+    return instr.opcode in COLLECTIVES or target in ("AsyncCollectiveStart", "AsyncCollectiveDone")
 
 
 def _written_bytes(element: Instr, fused: Computation) -> float:
+    if element.opcode == "parameter" or _collective_buffer(element):
+        return 0.0  # passed through (the fusion's result aliases its operand), or the collective's to write
     in_place = element.opcode in ("dynamic-update-slice", "scatter")
     if in_place and fused.instrs[element.operands[0]].opcode == "parameter":
         update = element.operands[1 if element.opcode == "dynamic-update-slice" else 2]
@@ -347,30 +340,34 @@ def _written_bytes(element: Instr, fused: Computation) -> float:
 class StepTimeEstimate:
     """Predicted time of one optimizer step on one chip, from the compiled program (not a measurement).
 
-    lower_bound_s = max(compute_s, hbm_s, collective_s): three resources that can overlap but not go faster than
-    their peaks; `mfu_bound` is the MFU at that bound. roofline_s: each op the TensorCore runs at the larger of its
-    compute and HBM times, one op after another (async copies and collectives are DMAs beside them).
-    predicted_s = max(roofline_s, hbm_s, collective_s): the ops in series with the DMAs overlapped — what a
-    schedule that hides every collective and prefetch would take with each op at its roofline; `predicted_mfu`
-    is the MFU at that time, and what the planner ranks by. no_overlap_s (every collective in series too) is
-    the pessimistic end.
+    Each op the TensorCore runs costs the larger of its compute and HBM times at libtpu's rates (trainer/op_cost.py);
+    roofline_s is their sum, one op after another (async copies are DMAs beside them). A collective adds the part
+    of its ICI time that the ops scheduled between its start and done do not cover (all of it when synchronous):
+    predicted_s = max(roofline_s + exposed_s, hbm_s). `predicted_mfu` is the MFU at that time, and what the
+    planner ranks by. lower_bound_s = max(compute_s, hbm_s, collective_s) (`mfu_bound` its MFU) is what the three
+    resources allow if everything overlapped; no_overlap_s (every collective in series) the pessimistic end.
     """
 
     chip: Chip
     flops: float  # per step: MXU FLOPs of the compiled program, loops multiplied out
     hbm_bytes: float  # per step: HBM bytes read + written
-    compute_s: float  # flops / peak
-    hbm_s: float  # hbm_bytes / HBM bandwidth
+    compute_s: float  # Σ over ops of their MXU / transcendental time
+    hbm_s: float  # hbm_bytes at libtpu's HBM rate
     roofline_s: float  # Σ over ops of max(compute, HBM), async copies left out
     collectives: tuple[Collective, ...]  # per step, largest first
     model_flops: float | None = None  # per step per chip (6N + attention), for MFU
     opaque_kernels: float = 0
     unknown_loops: int = 0
     memory_bound_s: float = 0.0  # the part of roofline_s in ops limited by HBM rather than the MXU
+    splash_kernels: float = 0  # splash attention kernel calls per step, costed from their block shapes
 
     @property
     def collective_s(self) -> float:
         return sum(c.seconds for c in self.collectives)
+
+    @property
+    def exposed_s(self) -> float:
+        return sum(c.exposed for c in self.collectives)
 
     @property
     def lower_bound_s(self) -> float:
@@ -383,7 +380,7 @@ class StepTimeEstimate:
 
     @property
     def predicted_s(self) -> float:
-        return max(self.roofline_s, self.hbm_s, self.collective_s)
+        return max(self.roofline_s + self.exposed_s, self.hbm_s)
 
     @property
     def predicted_mfu(self) -> float | None:
@@ -395,12 +392,14 @@ class StepTimeEstimate:
 
     @property
     def bottleneck(self) -> str:
-        """What sets the predicted time: the collectives (named by their largest kind and mesh axis), HBM
-        traffic, or the ops in series — "compute" when most of their time is in MXU-bound ops, else "memory"."""
-        if self.collectives and self.collective_s >= max(self.roofline_s, self.hbm_s):
-            return f"collectives: {self.collectives[0].kind} over {self.collectives[0].axis}"
-        if self.hbm_s > self.roofline_s:
+        """What sets the predicted time: exposed collectives (named by their largest kind and mesh axis) when they
+        outweigh the ops, HBM traffic, or the ops in series — "compute" when most of their time is in MXU-bound
+        ops, else "memory"."""
+        if self.hbm_s > self.roofline_s + self.exposed_s:
             return "memory (HBM)"
+        if self.exposed_s > self.roofline_s:
+            worst = max(self.collectives, key=lambda c: c.exposed)
+            return f"collectives: {worst.kind} over {worst.axis}"
         share = self.memory_bound_s / self.roofline_s if self.roofline_s else 0.0
         return f"memory ({share:.0%} of op time)" if share > 0.5 else f"compute ({1 - share:.0%} of op time)"
 
@@ -408,29 +407,32 @@ class StepTimeEstimate:
         """One line of a table ranking candidate configurations."""
         return {"step_ms": self.predicted_s * 1e3, "mfu": self.predicted_mfu, "compute_ms": self.compute_s * 1e3,
                 "hbm_ms": self.hbm_s * 1e3, "collective_ms": self.collective_s * 1e3,
-                "ops_ms": self.roofline_s * 1e3, "no_overlap_ms": self.no_overlap_s * 1e3,
-                "bottleneck": self.bottleneck}
+                "exposed_ms": self.exposed_s * 1e3, "ops_ms": self.roofline_s * 1e3,
+                "no_overlap_ms": self.no_overlap_s * 1e3, "bottleneck": self.bottleneck}
 
     def lines(self) -> list[str]:
         ms = lambda s: f"{s * 1e3:8.2f} ms"  # noqa: E731
-        chip, mfu = self.chip, self.predicted_mfu
+        chip, mfu, rates = self.chip, self.predicted_mfu, op_cost.RATES[self.chip.name]
         lines = [
-            "predicted from the compiled program (not measured), per step per chip:",
-            f"  compute     {ms(self.compute_s)}  {self.flops:.3e} MXU FLOPs at {chip.peak_flops / 1e12:.0f} TFLOP/s,"
-            " loops multiplied out",
+            "predicted from the compiled program (not measured), per step per chip, at libtpu's cost model's rates:",
+            f"  compute     {ms(self.compute_s)}  {self.flops:.3e} MXU FLOPs at {rates.mxu_flops_per_s / 1e12:.0f}"
+            f" TFLOP/s, transcendentals at {rates.transcendentals_per_s / 1e12:.2f} T/s, loops multiplied out",
             f"  HBM         {ms(self.hbm_s)}  {self.hbm_bytes / 2**30:.2f} GiB read + written at"
-            f" {chip.hbm_bytes_per_s / 1e9:.0f} GB/s",
+            f" {rates.hbm_bytes_per_s / 1e9:.0f} GB/s",
             f"  collectives {ms(self.collective_s)}  ICI: a ring over a mesh axis {chip.ring_bytes_per_s / 1e9:.0f}"
-            f" GB/s, one link {chip.ici_link_bytes_per_s / 1e9:.0f} GB/s",
+            f" GB/s, one link {chip.ici_link_bytes_per_s / 1e9:.0f} GB/s; {self.exposed_s * 1e3:.2f} ms exposed",
             *(f"    {c.row()}" for c in self.collectives),
             f"  lower bound {ms(self.lower_bound_s)}  max(compute, HBM, collectives)"
             + (f" -> MFU <= {self.mfu_bound:.1%}" if mfu else ""),
             f"  op by op    {ms(self.roofline_s)}  each op at max(its compute, its HBM), one after another"
             f" ({self.memory_bound_s / max(self.roofline_s, 1e-12):.0%} in HBM-bound ops);"
             f" {self.no_overlap_s * 1e3:.2f} ms with every collective in series",
-            f"  predicted   {ms(self.predicted_s)}  max(op by op, HBM, collectives)"
+            f"  predicted   {ms(self.predicted_s)}  op by op + exposed collectives (at least HBM)"
             + (f" -> predicted MFU {mfu:.1%}" if mfu else "") + f"; bottleneck: {self.bottleneck}",
         ]
+        if self.splash_kernels:
+            lines.append(f"  splash attention: {self.splash_kernels:g} kernel calls costed from their block shapes"
+                         " (the causal blocks' matmuls at the MXU rate, then one exp per score), as libtpu cannot")
         if self.opaque_kernels:
             lines.append(f"  not counted: the FLOPs inside {self.opaque_kernels:g} Pallas kernel calls other than"
                          " splash attention's (their HBM traffic is)")
@@ -461,12 +463,15 @@ def estimate_hlo(text: str, chip: Chip | str, mesh_shape: dict[str, int], *, ste
     cost = _Walker(comps, chip, mesh_shape).computation(entry)
     k = steps_per_call
     collectives = tuple(sorted(
-        (Collective(c.kind, c.axis, c.count / k, c.bytes / k, c.seconds / k) for c in cost.collectives.values()),
+        (Collective(c.kind, c.axis, c.count / k, c.bytes / k, c.seconds / k, c.exposed / k)
+         for c in cost.collectives.values()),
         key=lambda c: -c.seconds))
     return StepTimeEstimate(
         chip=chip, flops=cost.flops / k, hbm_bytes=cost.hbm_bytes / k, compute_s=cost.compute_s / k,
         hbm_s=cost.hbm_s / k, roofline_s=cost.roofline_s / k, collectives=collectives,
         model_flops=model_flops_per_step, opaque_kernels=cost.opaque_kernels / k, unknown_loops=cost.unknown_loops,
-        memory_bound_s=cost.memory_bound_s / k,
+        memory_bound_s=cost.memory_bound_s / k, splash_kernels=cost.splash_kernels / k,
     )
+
+
 
