@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from functools import cached_property
 
 from trainer.hardware import CHIPS, Chip
@@ -84,8 +85,10 @@ class Cost:
 class _Walker:
     """Costs of an HLO module's computations for one chip and mesh, each computed once."""
 
-    def __init__(self, comps: dict[str, Computation], chip: Chip, mesh_shape: dict[str, int]):
+    def __init__(self, comps: dict[str, Computation], chip: Chip, mesh_shape: dict[str, int], *,
+                 copies_in_series: bool = False):
         self.comps, self.chip, self.mesh_shape = comps, chip, mesh_shape
+        self.copies_in_series = copies_in_series  # libtpu's accounting: see estimate_hlo
         self.devices = math.prod(mesh_shape.values())
         self.rates = op_cost.RATES[chip.name]
         self._costs: dict[str, Cost] = {}
@@ -166,6 +169,8 @@ class _Walker:
             return self.computation(called(instr, "to_apply", "calls")[0])
         if code in COLLECTIVES:
             return self.collective(instr, instr)
+        if self.copies_in_series and code in ASYNC_COPY_DONES:
+            return self.roofline(instr, comp)
         if code in FREE or code.endswith("-done") or code.removesuffix("-start") in COLLECTIVES:
             return Cost()
         if code == "custom-call" and instr.attr("custom_call_target").strip('"') in FREE_CUSTOM_CALLS:
@@ -196,7 +201,7 @@ class _Walker:
         memory = op_cost.memory_seconds(self.rates, nbytes)
         # an async copy (a prefetch into VMEM, an eviction) is a DMA beside the compute: it uses HBM bandwidth
         # but does not hold up the ops in series
-        serial = 0.0 if instr.opcode in ASYNC_COPIES else max(compute, memory)
+        serial = 0.0 if instr.opcode in ASYNC_COPIES and not self.copies_in_series else max(compute, memory)
         return Cost(flops=flops, hbm_bytes=nbytes, compute_s=compute, hbm_s=memory, roofline_s=serial,
                     memory_bound_s=serial if memory > compute else 0.0, opaque_kernels=kernel and not flops,
                     splash_kernels=kernel and flops > 0)
@@ -232,6 +237,10 @@ class _Walker:
     def hbm_bytes(self, instr: Instr, comp: Computation) -> float:
         """Bytes this op reads from and writes to HBM (arrays in VMEM / SMEM cost nothing)."""
         code, a = instr.opcode, instr.arrays
+        if self.copies_in_series and code in ASYNC_COPIES | ASYNC_COPY_DONES:
+            # libtpu: a copy's operand and its two-array result, then the done's result (module docstring)
+            moved = a[1] if code == "slice-start" else a[0]
+            return moved.bytes * (3 if code in ASYNC_COPIES else 1)
         if code == "copy-start":  # (destination, source, context)
             return a[0].bytes * ((a[0].memory_space == 0) + (a[1].memory_space == 0))
         if code == "slice-start":  # ((source), destination, context)
@@ -306,6 +315,7 @@ class _Walker:
 
 
 ASYNC_COPIES = {"copy-start", "slice-start"}
+ASYNC_COPY_DONES = {"copy-done", "slice-done"}
 
 def _overlapped(collectives: Cost, covered: float) -> Cost:
     """An async pair's collectives with `covered` seconds of ops between its halves hiding them (a copy: the
@@ -457,10 +467,13 @@ def estimate(compiled, chip: Chip | str, mesh, *, steps_per_call: int = 1,
 
 
 def estimate_hlo(text: str, chip: Chip | str, mesh_shape: dict[str, int], *, steps_per_call: int = 1,
-                 model_flops_per_step: float | None = None) -> StepTimeEstimate:
+                 model_flops_per_step: float | None = None, libtpu_vmem: bool = False) -> StepTimeEstimate:
+    """`libtpu_vmem`: count on-chip memory as libtpu's cost model does — every array at the HBM rate whatever its
+    memory space, an async copy into VMEM as its operand and its two-array result, then its done's result, in
+    series with the ops — instead of VMEM as free and copies as DMAs beside the compute."""
     chip = CHIPS[chip] if isinstance(chip, str) else chip
-    comps, entry = parse_hlo(text)
-    cost = _Walker(comps, chip, mesh_shape).computation(entry)
+    comps, entry = parse_hlo(re.sub(r"S\(\d+\)", "", text) if libtpu_vmem else text)
+    cost = _Walker(comps, chip, mesh_shape, copies_in_series=libtpu_vmem).computation(entry)
     k = steps_per_call
     collectives = tuple(sorted(
         (Collective(c.kind, c.axis, c.count / k, c.bytes / k, c.seconds / k, c.exposed / k)
