@@ -21,7 +21,7 @@ from trainer.storage.files import atomic_write
 PEAK_FLOPS = {
     "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12, "TPU v5p": 459e12,
     "TPU v6 lite": 918e12, "TPU v6e": 918e12,
-    "NVIDIA H100": 989e12, "NVIDIA A100": 312e12,
+    "NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12,  # SXM, dense
 }
 
 
