@@ -35,14 +35,6 @@ def model_config(attention: str):
                            document_positions=False)
 
 
-def flops_per_token(causal: bool) -> float:
-    """6N + attention: the attention term halves when only the causal half is counted."""
-    c = model_config("xla")
-    full = c.flops_per_token(SEQ)
-    attention = 12 * c.n_layer * c.n_embd * SEQ
-    return full - attention / 2 if causal else full
-
-
 def ours(attention: str, k: int, calls: int) -> dict:
     """tokens/s of our jitted K-step train call, on one GPU."""
     import jax
@@ -126,7 +118,7 @@ def main(argv=None) -> int:
         if "error" in r:
             print(f"{label:<22} failed: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}")
             continue
-        mfu = [r["tokens_per_s"] * flops_per_token(c) / peak for c in (False, True)]
+        mfu = [r["tokens_per_s"] * model_config("xla").flops_per_token(SEQ, causal=c) / peak for c in (False, True)]
         r.update(mfu_6n_full=mfu[0], mfu_6n_causal=mfu[1])
         print(f"{label:<22} {r['step_s'] * 1e3:8.1f} {r['tokens_per_s']:10,.0f} {mfu[0]:11.1%} {mfu[1]:13.1%}")
     if args.json:

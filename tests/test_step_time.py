@@ -145,6 +145,20 @@ def test_each_op_class_agrees_with_libtpus_cost_model(chip_mesh, op_class, chip)
                                       f" {row.ours_s * 1e6:.2f} us, libtpu {row.libtpu_s * 1e6:.2f} us")
 
 
+@pytest.mark.parametrize("chip", list(calibrate.TOPOLOGIES))
+def test_with_libtpus_vmem_accounting_a_default_compile_agrees_too(chip_mesh, chip):
+    """Compiled with the compiler's defaults (prefetches into VMEM), ops of three classes drawn at random are
+    predicted within [0.8, 1.25] of libtpu when on-chip memory is counted as libtpu counts it (`libtpu_vmem`)."""
+    rng = np.random.default_rng([SEED, 99, list(calibrate.TOPOLOGIES).index(chip)])
+    mesh = chip_mesh(chip)
+    for op_class in rng.choice(list(calibrate.OP_CLASSES), 3, replace=False):
+        op = calibrate.OP_CLASSES[op_class](rng)
+        compiled = calibrate.compile_op(op, mesh, options={})
+        ours = step_time.estimate_hlo(compiled.as_text(), chip, dict(mesh.shape), libtpu_vmem=True).predicted_s
+        ratio = ours / calibrate.libtpu_seconds(compiled)
+        assert 0.8 <= ratio <= 1.25, f"{op_class} on {chip}, {op.shape} (STEP_TIME_SEED={SEED}): {ratio:.3f}"
+
+
 def test_tile_padding_counts_in_the_bytes():
     assert hlo.stored_elements((8192, 100), "0,1:T(8,128)") == 8192 * 104  # 100 rows of 8192, 100 -> 104
     assert hlo.stored_elements((3, 12, 64), "2,1,0:T(8,128)(2,1)") == 3 * 16 * 128

@@ -19,7 +19,8 @@ from configs.base import Config
 from errors import ConfigError
 from trainer.hardware import CHIPS, Chip
 from trainer.perf.compile_store import STORE, CompiledProgram, compile_lowered
-from trainer.perf.step_time import StepTimeEstimate, estimate_hlo
+from trainer.perf.step_report import StepTimeEstimate
+from trainer.perf.step_time import estimate_hlo
 from trainer.program.mesh import build_mesh
 from trainer.program.train_program import TrainProgram
 
@@ -38,6 +39,7 @@ class AotReport:
     optimal_seconds: float  # libtpu's cost model for the whole call (< 0: none; see compile_for_topology)
     steps_per_call: int
     step_time: StepTimeEstimate  # predicted from the compiled program, per step
+    libtpu_vmem_step_s: float  # the same with on-chip memory counted as libtpu's cost model counts it
     from_store: bool = False  # the compile was read back from trainer/perf/compile_store.py's store
 
     @property
@@ -63,6 +65,9 @@ class AotReport:
             f" {self.flops_per_step:.3e} (each scanned loop body once)",
         ]
         lines += ["  " + line for line in self.step_time.lines()]
+        lines.append(f"  with VMEM counted as libtpu's cost model counts it (at the HBM rate, prefetches 4x, in"
+                     f" series): {self.libtpu_vmem_step_s * 1e3:.1f} ms per step, the pessimistic end"
+                     " (docs/aot_planning.md, On-chip memory)")
         if self.optimal_seconds > 0:
             lines.append(f"  libtpu's cost model: {self.optimal_seconds / self.steps_per_call * 1e3:.1f} ms per step")
         else:
@@ -108,7 +113,9 @@ def compile_for_topology(cfg: Config, topology: str) -> AotReport:
     # which buffers get sliced prefetches. With that flag the gpt2_124m call gets +0.038 s, but for 10 steps of
     # 16 micro-batches of 12 layers each counted once: no step time either. Hence trainer/perf/step_time.py.
     t = cfg.train
-    model_flops = cfg.model.flops_per_token(t.seq_len) * t.batch_size * t.seq_len / mesh.size  # per step per chip
+    tokens_per_chip = t.batch_size * t.seq_len / mesh.size  # per step
+    model_flops = cfg.model.flops_per_token(t.seq_len) * tokens_per_chip
+    causal_flops = cfg.model.flops_per_token(t.seq_len, causal=True) * tokens_per_chip
     return AotReport(
         topology=topology, devices=mesh.size,
         argument_bytes=program.argument_bytes, output_bytes=program.output_bytes,
@@ -116,7 +123,9 @@ def compile_for_topology(cfg: Config, topology: str) -> AotReport:
         flops_per_step=program.flops, model_flops_per_step=model_flops,
         optimal_seconds=program.optimal_seconds, steps_per_call=t.steps_per_call,
         step_time=estimate_hlo(program.hlo, spec, dict(mesh.shape), steps_per_call=t.steps_per_call,
-                               model_flops_per_step=model_flops),
+                               model_flops_per_step=model_flops, causal_model_flops_per_step=causal_flops),
+        libtpu_vmem_step_s=estimate_hlo(program.hlo, spec, dict(mesh.shape), steps_per_call=t.steps_per_call,
+                                        libtpu_vmem=True).predicted_s,
         from_store=program.from_store,
     )
 

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from configs.base import Config
 from errors import ConfigError
 from trainer.perf.aot import DoesNotFit, chip_of, compile_for_topology, topology_devices
+from trainer.perf.step_report import BACKTEST_BAND
 
 # The axes in the order the descent visits them, those that change a step's largest costs first (per-micro-batch
 # gradient collectives and overheads, recomputation, the scan's saved activations), so that a search cut short
@@ -55,6 +56,8 @@ class Outcome:
     compile_s: float
     error: str | None = None  # "does not fit: ..." or the compile's first error line
     from_store: bool = False  # read back from an earlier compile (trainer/perf/compile_store.py)
+    mfu_causal: float | None = None  # predicted MFU counting causal attention only (MaxText's, llm.c's convention)
+    expected: str | None = None  # the step and MFU range the back-test's error band gives (StepTimeEstimate)
 
     def key(self) -> tuple:
         """Sort key, best first: fitting and fast, then not fitting by memory (so the search moves towards
@@ -259,7 +262,8 @@ def compile_candidate(topology: str) -> Compile:
             jax.clear_caches()  # each candidate's executables are not needed again
         e = r.step_time
         return Outcome(changes, r.fits, float(r.total_bytes), e.predicted_s, e.predicted_mfu, e.bottleneck,
-                       time.monotonic() - start, None if r.fits else "does not fit in HBM", r.from_store)
+                       time.monotonic() - start, None if r.fits else "does not fit in HBM", r.from_store,
+                       e.predicted_mfu_causal, e.expected_range())
 
     return compile
 
@@ -300,15 +304,17 @@ def _resolved(cfg: Config, devices: int) -> Config:
 
 def table(p: Plan) -> str:
     gib = lambda b: f"{b / 2**30:5.2f}" if b is not None else "    ?"  # noqa: E731
-    rows = [f"{'#':>2}  {'fits':4}  {'GiB/chip':>8}  {'step ms':>8}  {'MFU':>6}  {'compile':>7}  bottleneck / changes"]
+    pct = lambda x: f"{x:6.1%}" if x is not None else "     -"  # noqa: E731
+    rows = [f"{'#':>2}  {'fits':4}  {'GiB/chip':>8}  {'step ms':>8}  {'MFU':>6}  {'causal':>6}  {'compile':>7}"
+            "  bottleneck / changes"]
     for i, o in enumerate(p.ranked(), 1):
         fits = "yes" if o.fits else "no"
         step = f"{o.step_s * 1e3:8.1f}" if o.step_s is not None else "       -"
-        mfu = f"{o.mfu:6.1%}" if o.mfu is not None else "     -"
         why = o.bottleneck if o.error is None else o.error
         took = " stored" if o.from_store else f"{o.compile_s:6.0f}s"
-        rows.append(f"{i:>2}  {fits:4}  {gib(o.memory_bytes):>8}  {step}  {mfu}  {took:>7}  {why}")
-        rows.append(f"{'':>2}  {'':4}  {'':>8}  {'':>8}  {'':>6}  {'':>7}  {flags(o.changes)}")
+        rows.append(f"{i:>2}  {fits:4}  {gib(o.memory_bytes):>8}  {step}  {pct(o.mfu)}  {pct(o.mfu_causal)}"
+                    f"  {took:>7}  {why}")
+        rows.append(f"{'':>2}  {'':4}  {'':>8}  {'':>8}  {'':>6}  {'':>6}  {'':>7}  {flags(o.changes)}")
     return "\n".join(rows)
 
 
@@ -323,7 +329,10 @@ def text(p: Plan, hbm_bytes: float) -> str:
         " time, the others held at the best so far; not a full grid.",
         f"Figures per chip, predicted from each compiled program (train.steps_per_call=1), not measured; HBM"
         f" {hbm_bytes / 2**30:.2f} GiB. step ms: ops in series, each at max(its FLOPs at peak, its HBM bytes at"
-        " bandwidth), collectives overlapped; MFU: 6N + attention FLOPs over that time.",
+        " bandwidth, at libtpu's cost model's rates), plus the collectives the schedule leaves exposed; MFU: 6N +"
+        " attention over every query-key pair (PaLM, nanoGPT) in that time; causal: counting only the causal pairs"
+        f" (MaxText, llm.c). Published runs measured {BACKTEST_BAND[0]:.2f}–{BACKTEST_BAND[1]:.2f}× such"
+        " predictions (docs/aot_planning.md, Back-test).",
         "",
         table(p),
         "",
@@ -332,6 +341,8 @@ def text(p: Plan, hbm_bytes: float) -> str:
         lines.append(f"best: {flags(p.best)}")
         lines.append(f"      predicted {best.step_s * 1e3:.1f} ms per step, MFU {best.mfu:.1%}, bottleneck"
                      f" {best.bottleneck}, {best.memory_bytes / 2**30:.2f} GiB per chip")
+        if best.expected:
+            lines.append(f"      {best.expected}")
     else:
         lines.append("no candidate fits: shard more (a larger topology) or shrink train.batch_size")
     return "\n".join(lines)
