@@ -34,7 +34,7 @@ from functools import cached_property
 
 from trainer.hardware import CHIPS, Chip
 from trainer.perf import op_cost
-from trainer.perf.collectives import COLLECTIVES, Collective, collective_seconds
+from trainer.perf.collectives import COLLECTIVES, Collective, collective_seconds, dcn_collective, dcn_kind
 from trainer.perf.hlo import Computation, Instr, called, memory_space, mesh_axis, parse_hlo, replica_groups, trip_count
 
 # ---------------------------------------------------------------------------------------------- costs
@@ -86,8 +86,8 @@ class _Walker:
     """Costs of an HLO module's computations for one chip and mesh, each computed once."""
 
     def __init__(self, comps: dict[str, Computation], chip: Chip, mesh_shape: dict[str, int], *,
-                 copies_in_series: bool = False):
-        self.comps, self.chip, self.mesh_shape = comps, chip, mesh_shape
+                 copies_in_series: bool = False, slices: int = 1):
+        self.comps, self.chip, self.mesh_shape, self.slices = comps, chip, mesh_shape, slices  # one slice's mesh
         self.copies_in_series = copies_in_series  # libtpu's accounting: see estimate_hlo
         self.devices = math.prod(mesh_shape.values())
         self.rates = op_cost.RATES[chip.name]
@@ -119,8 +119,11 @@ class _Walker:
         """("start" or "done", the key pairing them) for a half of an async collective; (None, None) else.
         Three spellings: `all-gather-start`/`-done` (and the other collectives'), `async-start`/`-done` around a
         reduce-scatter or all-to-all, and libtpu's async collective fusions, whose fused roots are the custom
-        calls AsyncCollectiveStart / AsyncCollectiveDone, paired by their collective's channel."""
+        calls AsyncCollectiveStart / AsyncCollectiveDone, paired by their collective's channel. A transfer
+        across slices is a megascale `send` and its `send-done`."""
         code = instr.opcode
+        if dcn_kind(instr) or code == "send-done" and "megascale" in instr.attrs:
+            return ("start", instr.name) if code == "send" else ("done", instr.operands[0])
         for half in ("start", "done"):
             if code.removesuffix(f"-{half}") in COLLECTIVES and code.endswith(f"-{half}"):
                 return half, instr.name if half == "start" else instr.operands[0]
@@ -133,6 +136,9 @@ class _Walker:
         return None, None
 
     def async_collectives(self, done: Instr, start: Instr) -> Cost:
+        if start.opcode == "send":
+            c = dcn_collective(dcn_kind(start), self.slices, start.arrays[0].bytes, self.chip)
+            return Cost(collectives={(c.kind, c.axis): c})
         if start.opcode == "async-start":
             return self.computation(called(start, "calls")[0])
         if start.opcode == "fusion":
@@ -163,8 +169,8 @@ class _Walker:
             return max((self.computation(b) for b in called(instr, "branch_computations", "true_computation",
                                                               "false_computation")),
                        key=lambda c: c.roofline_s + c.exposed_s, default=Cost())
-        if code == "async-start" and self.async_role(instr)[0] == "start":
-            return Cost()  # its collective is charged at its done
+        if code == "async-start" and self.async_role(instr)[0] == "start" or "megascale" in instr.attrs:
+            return Cost()  # its collective is charged at its done (a DCN transfer's send and recv: at the send's)
         if code in ("call", "async-start"):
             return self.computation(called(instr, "to_apply", "calls")[0])
         if code in COLLECTIVES:
@@ -430,7 +436,9 @@ class StepTimeEstimate:
             f"  HBM         {ms(self.hbm_s)}  {self.hbm_bytes / 2**30:.2f} GiB read + written at"
             f" {rates.hbm_bytes_per_s / 1e9:.0f} GB/s",
             f"  collectives {ms(self.collective_s)}  ICI: a ring over a mesh axis {chip.ring_bytes_per_s / 1e9:.0f}"
-            f" GB/s, one link {chip.ici_link_bytes_per_s / 1e9:.0f} GB/s; {self.exposed_s * 1e3:.2f} ms exposed",
+            f" GB/s, one link {chip.ici_link_bytes_per_s / 1e9:.0f} GB/s; {self.exposed_s * 1e3:.2f} ms exposed"
+            + (f"; DCN {chip.dcn_bytes_per_s / 1e9:.2f} GB/s per chip (a host's NICs over its {chip.chips_per_host}"
+               " chips)" if any(c.over_dcn for c in self.collectives) else ""),
             *(f"    {c.row()}" for c in self.collectives),
             f"  lower bound {ms(self.lower_bound_s)}  max(compute, HBM, collectives)"
             + (f" -> MFU <= {self.mfu_bound:.1%}" if mfu else ""),
@@ -458,22 +466,27 @@ def estimate(compiled, chip: Chip | str, mesh, *, steps_per_call: int = 1,
     Args:
       compiled: the compiled call; its `as_text()` is the optimized, scheduled HLO module.
       chip: a `Chip` or a key of CHIPS ("v5e", ...).
-      mesh: the `jax.sharding.Mesh` the call was compiled for; device i of the program is mesh position i.
+      mesh: the `jax.sharding.Mesh` the call was compiled for; device i of the program is mesh position i (of
+        one slice's part of the mesh on several slices, whose devices carry a `slice_index`).
       steps_per_call: optimizer steps one call runs (the K-step scan): figures are per step.
       model_flops_per_step: per chip (6N + attention), for the predicted MFU.
     """
+    slices = len({getattr(d, "slice_index", 0) for d in mesh.devices.flat})
     return estimate_hlo(compiled.as_text(), chip, dict(mesh.shape), steps_per_call=steps_per_call,
-                        model_flops_per_step=model_flops_per_step)
+                        model_flops_per_step=model_flops_per_step, slices=slices)
 
 
 def estimate_hlo(text: str, chip: Chip | str, mesh_shape: dict[str, int], *, steps_per_call: int = 1,
-                 model_flops_per_step: float | None = None, libtpu_vmem: bool = False) -> StepTimeEstimate:
+                 model_flops_per_step: float | None = None, libtpu_vmem: bool = False,
+                 slices: int = 1) -> StepTimeEstimate:
     """`libtpu_vmem`: count on-chip memory as libtpu's cost model does — every array at the HBM rate whatever its
     memory space, an async copy into VMEM as its operand and its two-array result, then its done's result, in
-    series with the ops — instead of VMEM as free and copies as DMAs beside the compute."""
+    series with the ops — instead of VMEM as free and copies as DMAs beside the compute. `slices`: the slices
+    the mesh's `data` axis spans (trainer/program/mesh.py); the program text is one slice's (perf/collectives.py)."""
     chip = CHIPS[chip] if isinstance(chip, str) else chip
     comps, entry = parse_hlo(re.sub(r"S\(\d+\)", "", text) if libtpu_vmem else text)
-    cost = _Walker(comps, chip, mesh_shape, copies_in_series=libtpu_vmem).computation(entry)
+    one_slice = {**mesh_shape, "data": mesh_shape["data"] // slices} if slices > 1 else mesh_shape
+    cost = _Walker(comps, chip, one_slice, copies_in_series=libtpu_vmem, slices=slices).computation(entry)
     k = steps_per_call
     collectives = tuple(sorted(
         (Collective(c.kind, c.axis, c.count / k, c.bytes / k, c.seconds / k, c.exposed / k)
@@ -485,6 +498,3 @@ def estimate_hlo(text: str, chip: Chip | str, mesh_shape: dict[str, int], *, ste
         model_flops=model_flops_per_step, opaque_kernels=cost.opaque_kernels / k, unknown_loops=cost.unknown_loops,
         memory_bound_s=cost.memory_bound_s / k, splash_kernels=cost.splash_kernels / k,
     )
-
-
-
