@@ -91,7 +91,7 @@ class MeshConfig:
       rules: one of gpt2.sharding.RULES: dp, fsdp, tp, fsdp_tp.
       num_slices: TPU slices the run spans (>= 1), joined by the data-center network (DCN). The `data` axis
         spans them (slices × the data parallelism inside one); `fsdp` and `tensor` stay inside a slice, so mesh.data
-        must be a multiple of it. Devices are grouped by their `slice_index` (CPU devices have none: by process,
+        must be a multiple of it. Devices are grouped by their `slice_index` (on CPUs by process,
         consecutive processes forming a slice).
     """
 

@@ -52,7 +52,7 @@ def multislice_mesh(m: MeshConfig, devices: list) -> Mesh:
                           " the slices, fsdp and tensor stay inside one (lower mesh.fsdp or mesh.tensor)")
     groups = slices_of(devices, n)
     inner, outer = (data // n, fsdp, tensor), (n, 1, 1)
-    if hasattr(devices[0], "slice_index"):  # TPU: JAX's hybrid mesh, which groups by slice_index itself
+    if devices[0].platform != "cpu":  # TPU: JAX's hybrid mesh, which groups by slice_index itself
         grid = mesh_utils.create_hybrid_device_mesh(inner, outer, devices, allow_split_physical_axes=True)
     else:  # the same construction over our process groups: one mesh per slice, stacked along the DCN axis
         grid = np.concatenate([mesh_utils.create_device_mesh(inner, g, allow_split_physical_axes=True)
@@ -61,18 +61,18 @@ def multislice_mesh(m: MeshConfig, devices: list) -> Mesh:
 
 
 def slices_of(devices: list, n: int) -> list[list]:
-    """`devices` grouped into `n` equal slices, in slice order: by `slice_index` where devices have one (TPU
-    multislice), else by process (CPU devices have none): process p of P is in slice p // (P / n), as consecutive
-    hosts of a multislice job form one slice."""
+    """`devices` grouped into `n` equal slices, in slice order: by `slice_index` on TPUs, by process on CPUs (whose
+    devices are all in slice 0): process p of P is in slice p // (P / n), as consecutive hosts of a multislice job
+    form one slice."""
     groups = defaultdict(list)
-    if hasattr(devices[0], "slice_index"):
+    if devices[0].platform != "cpu":
         for d in devices:
-            groups[d.slice_index].append(d)
+            groups[getattr(d, "slice_index", 0)].append(d)
     else:
         processes = sorted({d.process_index for d in devices})
         if len(processes) % n:
             raise ConfigError(f"mesh.num_slices={n}: the {len(processes)} processes do not divide into {n} slices"
-                              " (devices without a slice_index are grouped into slices by process)")
+                              " (CPU devices are grouped into slices by process)")
         slice_of = {p: i // (len(processes) // n) for i, p in enumerate(processes)}
         for d in devices:
             groups[slice_of[d.process_index]].append(d)
