@@ -1,5 +1,5 @@
 """A step-time estimate of a compiled TPU program, read from its optimized HLO: each op at libtpu's cost model's rates
-plus the ICI collectives that the schedule leaves exposed.
+plus the collectives (ICI; DCN between slices) that the schedule leaves exposed.
 
 libtpu's own cost model (`compiled.cost_analysis()["optimal_seconds"]`) gives up on our train call (it returns a
 negative number), and XLA's flop count covers a loop body once. This module walks the compiled program's HLO text
@@ -14,8 +14,9 @@ negative number), and XLA's flop count covers a loop body once. This module walk
 - while loops (scans over layers, the K-step scan, gradient accumulation) multiply their body by the trip count;
   a conditional costs its most expensive branch (the train call's "active" branch is the whole step);
 - each collective's time comes from its bytes and the mesh axis its replica groups run over, at the ICI bandwidth
-  of a bidirectional ring along that axis (trainer/perf/collectives.py). An async one is hidden by the ops scheduled between its
-  start and its done (the text's order is the schedule); the rest of it, and all of a synchronous one, is exposed.
+  of a bidirectional ring along that axis, a transfer between slices at the hosts' DCN bandwidth (perf/collectives.py).
+  An async one is hidden by the ops scheduled between its start and its done (the text's order is the schedule); the
+  rest of it, and all of a synchronous one, is exposed.
 
 The predicted step is the ops in series plus the exposed collectives, and no less than the HBM traffic (async
 prefetches are DMAs beside the compute). Everything here is a prediction from the compiled program, not a
@@ -117,10 +118,9 @@ class _Walker:
 
     def async_role(self, instr: Instr) -> tuple[str | None, str | None]:
         """("start" or "done", the key pairing them) for a half of an async collective; (None, None) else.
-        Three spellings: `all-gather-start`/`-done` (and the other collectives'), `async-start`/`-done` around a
-        reduce-scatter or all-to-all, and libtpu's async collective fusions, whose fused roots are the custom
-        calls AsyncCollectiveStart / AsyncCollectiveDone, paired by their collective's channel. A transfer
-        across slices is a megascale `send` and its `send-done`."""
+        Spellings: `all-gather-start`/`-done` (and the other collectives'), `async-start`/`-done` around a
+        reduce-scatter or all-to-all, libtpu's async collective fusions (fused roots AsyncCollectiveStart /
+        AsyncCollectiveDone, paired by their collective's channel), and across slices a megascale `send`/`send-done`."""
         code = instr.opcode
         if dcn_kind(instr) or code == "send-done" and "megascale" in instr.attrs:
             return ("start", instr.name) if code == "send" else ("done", instr.operands[0])
