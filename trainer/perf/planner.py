@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from configs.base import Config
 from errors import ConfigError
-from trainer.perf.aot import DoesNotFit, chip_of, compile_for_topology, topology_devices
+from trainer.perf.aot import DoesNotFit, chip_of, compile_for_topology, for_topology, parse_topology, topology_devices
 from trainer.perf.step_report import BACKTEST_BAND
 
 # The axes in the order the descent visits them, those that change a step's largest costs first (per-micro-batch
@@ -90,9 +90,11 @@ def layouts(cfg: Config, devices: int) -> list[dict[str, object]]:
     """Sharding rules with mesh shapes that fit `devices` chips and the model's shapes.
 
     fsdp splits the width (n_embd) over as many chips as divide it, the rest is data parallel; tp splits heads,
-    mlp and vocabulary over 2 chips (more only adds collectives at GPT-2's widths); fsdp_tp does both.
+    mlp and vocabulary over 2 chips (more only adds collectives at GPT-2's widths); fsdp_tp does both. Over several
+    slices (mesh.num_slices) fsdp and tensor stay inside one slice's chips; data spans the slices.
     """
     D, H, V = cfg.model.n_embd, cfg.model.n_head, cfg.model.padded_vocab_size
+    per_slice = devices // cfg.mesh.num_slices
 
     def mesh(rules, data, fsdp, tensor):
         return {"mesh.rules": rules, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor}
@@ -101,13 +103,13 @@ def layouts(cfg: Config, devices: int) -> list[dict[str, object]]:
         return max(f for f in range(1, n + 1) if n % f == 0 and D % f == 0)
 
     out = [mesh("dp", devices, 1, 1)]
-    f = fsdp_size(devices)
+    f = fsdp_size(per_slice)
     if f > 1:
         out.append(mesh("fsdp", devices // f, f, 1))
-    if devices % 2 == 0 and H % 2 == 0 and V % 2 == 0:
+    if per_slice % 2 == 0 and H % 2 == 0 and V % 2 == 0:
         out.append(mesh("tp", devices // 2, 1, 2))
-    if devices % 2 == 0 and H % 2 == 0 and fsdp_size(devices // 2) > 1:
-        f = fsdp_size(devices // 2)
+    if per_slice % 2 == 0 and H % 2 == 0 and fsdp_size(per_slice // 2) > 1:
+        f = fsdp_size(per_slice // 2)
         out.append(mesh("fsdp_tp", devices // 2 // f, f, 2))
     return out
 
@@ -273,7 +275,7 @@ def plan(preset_name: str, cfg: Config, topology: str, *, budget_s: float, compi
     """Searches candidates around `cfg` for `topology`; `compile` defaults to compiling through libtpu."""
     chip_of(topology)  # an unknown generation is one line, before anything compiles
     devices = len(topology_devices(topology)) if compile is None else _devices(topology)
-    cfg = _resolved(cfg, devices)
+    cfg = _resolved(for_topology(cfg, topology), devices)
     with tqdm(desc=f"plan {topology}", unit="compile", disable=not show_progress, leave=False) as bar:
         search = Search(cfg, devices, compile or compile_candidate(topology), budget_s=budget_s, progress=bar)
         best = search.run()
@@ -282,8 +284,9 @@ def plan(preset_name: str, cfg: Config, topology: str, *, budget_s: float, compi
 
 
 def _devices(topology: str) -> int:
-    """Chips in a topology name, e.g. v5e:2x4 -> 8 (for a search with a stand-in compiler)."""
-    return math.prod(int(d) for d in topology.split(":")[1].split("x"))
+    """Chips in a topology name, e.g. v5e:2x4 -> 8, v5e:2x4*2 -> 16 (for a search with a stand-in compiler)."""
+    name, slices = parse_topology(topology)
+    return math.prod(int(d) for d in name.split(":")[1].split("x")) * slices
 
 
 def _resolved(cfg: Config, devices: int) -> Config:

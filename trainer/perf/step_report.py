@@ -117,7 +117,9 @@ class StepTimeEstimate:
             f"  HBM         {ms(self.hbm_s)}  {self.hbm_bytes / 2**30:.2f} GiB read + written at"
             f" {rates.hbm_bytes_per_s / 1e9:.0f} GB/s",
             f"  collectives {ms(self.collective_s)}  ICI: a ring over a mesh axis {chip.ring_bytes_per_s / 1e9:.0f}"
-            f" GB/s, one link {chip.ici_link_bytes_per_s / 1e9:.0f} GB/s; {self.exposed_s * 1e3:.2f} ms exposed",
+            f" GB/s, one link {chip.ici_link_bytes_per_s / 1e9:.0f} GB/s; {self.exposed_s * 1e3:.2f} ms exposed"
+            + (f"; DCN {chip.dcn_bytes_per_s / 1e9:.2f} GB/s per chip (a host's NICs over its {chip.chips_per_host}"
+               " chips)" if any(c.over_dcn for c in self.collectives) else ""),
             *(f"    {c.row()}" for c in self.collectives),
             f"  lower bound {ms(self.lower_bound_s)}  max(compute, HBM, collectives)"
             + (f" -> MFU <= {self.mfu_bound:.1%}" if mfu else ""),

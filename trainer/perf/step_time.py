@@ -1,5 +1,5 @@
 """A step-time estimate of a compiled TPU program, read from its optimized HLO: each op at libtpu's cost model's rates
-plus the ICI collectives that the schedule leaves exposed.
+plus the collectives (ICI; DCN between slices) that the schedule leaves exposed.
 
 libtpu's own cost model (`compiled.cost_analysis()["optimal_seconds"]`) gives up on our train call (it returns a
 negative number), and XLA's flop count covers a loop body once. This module walks the compiled program's HLO text
@@ -14,8 +14,9 @@ negative number), and XLA's flop count covers a loop body once. This module walk
 - while loops (scans over layers, the K-step scan, gradient accumulation) multiply their body by the trip count;
   a conditional costs its most expensive branch (the train call's "active" branch is the whole step);
 - each collective's time comes from its bytes and the mesh axis its replica groups run over, at the ICI bandwidth
-  of a bidirectional ring along that axis (trainer/perf/collectives.py). An async one is hidden by the ops scheduled between its
-  start and its done (the text's order is the schedule); the rest of it, and all of a synchronous one, is exposed.
+  of a bidirectional ring along that axis, a transfer between slices at the hosts' DCN bandwidth (perf/collectives.py).
+  An async one is hidden by the ops scheduled between its start and its done (the text's order is the schedule); the
+  rest of it, and all of a synchronous one, is exposed.
 
 The predicted step is the ops in series plus the exposed collectives, and no less than the HBM traffic (async
 prefetches are DMAs beside the compute). Everything here is a prediction from the compiled program, not a
@@ -34,7 +35,7 @@ from functools import cached_property
 
 from trainer.hardware import CHIPS, Chip
 from trainer.perf import op_cost
-from trainer.perf.collectives import COLLECTIVES, Collective, collective_seconds
+from trainer.perf.collectives import COLLECTIVES, Collective, collective_seconds, dcn_collective, dcn_kind
 from trainer.perf.hlo import Computation, Instr, called, memory_space, mesh_axis, parse_hlo, replica_groups, trip_count
 from trainer.perf.step_report import StepTimeEstimate
 
@@ -87,8 +88,8 @@ class _Walker:
     """Costs of an HLO module's computations for one chip and mesh, each computed once."""
 
     def __init__(self, comps: dict[str, Computation], chip: Chip, mesh_shape: dict[str, int], *,
-                 copies_in_series: bool = False):
-        self.comps, self.chip, self.mesh_shape = comps, chip, mesh_shape
+                 copies_in_series: bool = False, slices: int = 1):
+        self.comps, self.chip, self.mesh_shape, self.slices = comps, chip, mesh_shape, slices  # one slice's mesh
         self.copies_in_series = copies_in_series  # libtpu's accounting: see estimate_hlo
         self.devices = math.prod(mesh_shape.values())
         self.rates = op_cost.RATES[chip.name]
@@ -118,10 +119,12 @@ class _Walker:
 
     def async_role(self, instr: Instr) -> tuple[str | None, str | None]:
         """("start" or "done", the key pairing them) for a half of an async collective; (None, None) else.
-        Three spellings: `all-gather-start`/`-done` (and the other collectives'), `async-start`/`-done` around a
-        reduce-scatter or all-to-all, and libtpu's async collective fusions, whose fused roots are the custom
-        calls AsyncCollectiveStart / AsyncCollectiveDone, paired by their collective's channel."""
+        Spellings: `all-gather-start`/`-done` (and the other collectives'), `async-start`/`-done` around a
+        reduce-scatter or all-to-all, libtpu's async collective fusions (fused roots AsyncCollectiveStart /
+        AsyncCollectiveDone, paired by their collective's channel), and across slices a megascale `send`/`send-done`."""
         code = instr.opcode
+        if dcn_kind(instr) or code == "send-done" and "megascale" in instr.attrs:
+            return ("start", instr.name) if code == "send" else ("done", instr.operands[0])
         for half in ("start", "done"):
             if code.removesuffix(f"-{half}") in COLLECTIVES and code.endswith(f"-{half}"):
                 return half, instr.name if half == "start" else instr.operands[0]
@@ -134,6 +137,9 @@ class _Walker:
         return None, None
 
     def async_collectives(self, done: Instr, start: Instr) -> Cost:
+        if start.opcode == "send":
+            c = dcn_collective(dcn_kind(start), self.slices, start.arrays[0].bytes, self.chip)
+            return Cost(collectives={(c.kind, c.axis): c})
         if start.opcode == "async-start":
             return self.computation(called(start, "calls")[0])
         if start.opcode == "fusion":
@@ -164,8 +170,8 @@ class _Walker:
             return max((self.computation(b) for b in called(instr, "branch_computations", "true_computation",
                                                               "false_computation")),
                        key=lambda c: c.roofline_s + c.exposed_s, default=Cost())
-        if code == "async-start" and self.async_role(instr)[0] == "start":
-            return Cost()  # its collective is charged at its done
+        if code == "async-start" and self.async_role(instr)[0] == "start" or "megascale" in instr.attrs:
+            return Cost()  # its collective is charged at its done (a DCN transfer's send and recv: at the send's)
         if code in ("call", "async-start"):
             return self.computation(called(instr, "to_apply", "calls")[0])
         if code in COLLECTIVES:
@@ -345,6 +351,8 @@ def _written_bytes(element: Instr, fused: Computation) -> float:
     return element.bytes
 
 
+# ---------------------------------------------------------------------------------------------- the estimate
+
 def estimate(compiled, chip: Chip | str, mesh, *, steps_per_call: int = 1,
              model_flops_per_step: float | None = None,
              causal_model_flops_per_step: float | None = None) -> StepTimeEstimate:
@@ -353,25 +361,29 @@ def estimate(compiled, chip: Chip | str, mesh, *, steps_per_call: int = 1,
     Args:
       compiled: the compiled call; its `as_text()` is the optimized, scheduled HLO module.
       chip: a `Chip` or a key of CHIPS ("v5e", ...).
-      mesh: the `jax.sharding.Mesh` the call was compiled for; device i of the program is mesh position i.
+      mesh: the `jax.sharding.Mesh` the call was compiled for; device i of the program is mesh position i (of
+        one slice's part of the mesh on several slices, whose devices carry a `slice_index`).
       steps_per_call: optimizer steps one call runs (the K-step scan): figures are per step.
       model_flops_per_step: per chip (6N + attention), for the predicted MFU; causal_model_flops_per_step: the
         same counting causal attention only.
     """
+    slices = len({getattr(d, "slice_index", 0) for d in mesh.devices.flat})
     return estimate_hlo(compiled.as_text(), chip, dict(mesh.shape), steps_per_call=steps_per_call,
                         model_flops_per_step=model_flops_per_step,
-                        causal_model_flops_per_step=causal_model_flops_per_step)
+                        causal_model_flops_per_step=causal_model_flops_per_step, slices=slices)
 
 
 def estimate_hlo(text: str, chip: Chip | str, mesh_shape: dict[str, int], *, steps_per_call: int = 1,
                  model_flops_per_step: float | None = None, causal_model_flops_per_step: float | None = None,
-                 libtpu_vmem: bool = False) -> StepTimeEstimate:
+                 libtpu_vmem: bool = False, slices: int = 1) -> StepTimeEstimate:
     """`libtpu_vmem`: count on-chip memory as libtpu's cost model does — every array at the HBM rate whatever its
     memory space, an async copy into VMEM as its operand and its two-array result, then its done's result, in
-    series with the ops — instead of VMEM as free and copies as DMAs beside the compute."""
+    series with the ops — instead of VMEM as free and copies as DMAs beside the compute. `slices`: the slices
+    the mesh's `data` axis spans (trainer/program/mesh.py); the program text is one slice's (perf/collectives.py)."""
     chip = CHIPS[chip] if isinstance(chip, str) else chip
     comps, entry = parse_hlo(re.sub(r"S\(\d+\)", "", text) if libtpu_vmem else text)
-    cost = _Walker(comps, chip, mesh_shape, copies_in_series=libtpu_vmem).computation(entry)
+    one_slice = {**mesh_shape, "data": mesh_shape["data"] // slices} if slices > 1 else mesh_shape
+    cost = _Walker(comps, chip, one_slice, copies_in_series=libtpu_vmem, slices=slices).computation(entry)
     k = steps_per_call
     collectives = tuple(sorted(
         (Collective(c.kind, c.axis, c.count / k, c.bytes / k, c.seconds / k, c.exposed / k)
@@ -383,6 +395,3 @@ def estimate_hlo(text: str, chip: Chip | str, mesh_shape: dict[str, int], *, ste
         model_flops=model_flops_per_step, causal_model_flops=causal_model_flops_per_step, opaque_kernels=cost.opaque_kernels / k, unknown_loops=cost.unknown_loops,
         memory_bound_s=cost.memory_bound_s / k, splash_kernels=cost.splash_kernels / k,
     )
-
-
-
