@@ -321,3 +321,20 @@ def test_the_estimate_per_step_does_not_depend_on_steps_per_call():
     assert three.collective_s == pytest.approx(one.collective_s, rel=1e-6)
     assert 0.75 * one.hbm_s < three.hbm_s < one.hbm_s
     assert 0.75 * one.predicted_s < three.predicted_s <= one.predicted_s
+
+
+def test_the_report_gives_both_mfu_conventions_and_the_backtest_range():
+    from gpt2 import GPT2Config
+    from trainer.perf.step_report import BACKTEST_BAND, StepTimeEstimate
+
+    c = GPT2Config.gpt2()
+    full, causal = c.flops_per_token(1024), c.flops_per_token(1024, causal=True)
+    assert full - causal == 6 * 12 * 768 * 1024  # half of 12·L·D·T: the masked query-key pairs
+    e = StepTimeEstimate(chip=V5E, flops=0.0, hbm_bytes=0.0, compute_s=0.1, hbm_s=0.05, roofline_s=0.1,
+                         collectives=(), model_flops=full * 1e4, causal_model_flops=causal * 1e4)
+    assert e.predicted_mfu / e.predicted_mfu_causal == pytest.approx(full / causal)
+    lo, hi = BACKTEST_BAND
+    assert lo < 1 < hi
+    assert f"expect {100 * lo:.0f}–{100 * hi:.0f} ms" in e.expected_range()
+    assert f"MFU {e.predicted_mfu / hi:.0%}–{e.predicted_mfu / lo:.0%}" in e.expected_range()
+    assert any("causal pairs" in line for line in e.lines())
