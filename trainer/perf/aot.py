@@ -9,6 +9,8 @@ compiled program (trainer/perf/step_time.py).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 import re
 
 import jax
@@ -100,14 +102,18 @@ def parse_topology(topology: str) -> tuple[str, int]:
 def topology_devices(topology: str):
     chip, spec = chip_of(topology)
     name, slices = parse_topology(topology)
+    # Describing a topology loads libtpu, which by default takes a machine-wide lock as if it owned the TPU. Here it
+    # only compiles, so a second --aot / --plan (or a test) on the same machine may load it too; on a TPU VM set
+    # beside a running job, this still leaves the chips to the job (a description allocates nothing).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         topo = topologies.get_topology_desc(
             platform="tpu", topology_name=name, chip_config_name=spec.chip_config,
             chips_per_host_bounds=spec.host, num_slices=slices,
         )
     except Exception as e:  # libtpu missing, or a name it does not know
-        raise ConfigError(f"--aot {topology}: cannot describe this topology ({str(e).splitlines()[0]});"
-                          " install the `tpu` extra (pip install -e '.[tpu]')") from None
+        hint = ("" if importlib.util.find_spec("libtpu") else "; install the `tpu` extra (pip install -e '.[tpu]')")
+        raise ConfigError(f"--aot {topology}: cannot describe this topology ({str(e).splitlines()[0]}){hint}") from None
     return topo.devices
 
 
