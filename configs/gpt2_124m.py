@@ -7,10 +7,10 @@ Sizing, as `python train.py --config gpt2_124m --plan v5e:2x4` chose it in two r
 micro-batches of 64 sequences (8 per chip); pure data parallelism — 124M parameters and their AdamW state
 (~2 GB in float32) fit every chip; splash attention (`auto` on TPU). remat="dots" keeps each block's matmul
 outputs and recomputes the elementwise rest (layer norms, GELU) in the backward pass; the layers unrolled
-(scan_layers=False) let XLA schedule and fuse across them. Predicted 339 ms per step (MFU 84 %), 6.8 GiB per
-chip, against 436 ms for the 16 × 4-row, no-remat, scanned layout this preset had: the scan stores every
-elementwise intermediate of every layer (14 GiB at 8 rows), whose HBM traffic costs more than recomputing them.
-The first run's choices (remat="dots", 8 × 8 rows) won on v4:2x2x1 too (537 ms, 14 GiB of 32).
+(scan_layers=False) let XLA schedule and fuse across them. `--aot v5e:2x4` predicts 372.7 ms per step, MFU
+76.3 % (71.3 % counting causal attention only), 6.8 GiB per chip, at libtpu's cost model's rates; published runs
+measured 0.77-1.15x such predictions, and counting on-chip memory as libtpu does gives 637.5 ms, the pessimistic
+end (docs/aot_planning.md).
 """
 
 from configs.base import CheckpointConfig, Config, DataConfig, GuardConfig, MeshConfig, OptimConfig, TrainConfig
