@@ -1,0 +1,155 @@
+"""A long run stays flat: the default config trained for a long time, its resident memory and per-step time
+compared between the start (after warm-up) and the end.
+
+    nice -n 10 python -m benchmarks.soak                          # 30 minutes or 20,000 steps, whichever first
+    python -m benchmarks.soak --minutes 60 --json soak.json -- --train.batch_size=16
+
+It runs the real `train.py` (the default preset, evaluation, checkpoints and wandb offline at their default
+cadence; `--train.steps` sets the schedule's length) as a child process, samples the child's resident memory
+(VmRSS, plus any Grain workers') every few seconds, and ends the run with SIGTERM at the time limit (a
+preemption: a checkpoint, exit 0). Per-step time comes from metrics.jsonl (`batch × seq_len / tokens_per_s`
+of each call, so calls cut short at an evaluation or a checkpoint weigh the same per step).
+
+Warm-up (compilation, the first evaluations and saves, the allocator reaching its working set) is the first
+`--warmup` share of the run. The start window is the next `--window` share, the end window the last one; the
+figures are each window's median. Goals: RSS growth and step-time drift both within 5 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GOAL = 0.05  # the issue's bound on RSS growth and step-time drift
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of `pid` and its children (Grain workers), from /proc; 0 once it has exited."""
+    total = 0
+    for p in [pid, *children(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def sample_memory(proc: subprocess.Popen, every: float, samples: list) -> None:
+    """Appends (seconds since start, RSS bytes) until the child exits."""
+    start = time.monotonic()
+    while proc.poll() is None:
+        samples.append((time.monotonic() - start, rss_bytes(proc.pid)))
+        time.sleep(every)
+
+
+def run_training(run_dir: Path, steps: int, minutes: float, extra: list[str], every: float) -> tuple[list, int]:
+    """Trains until `steps` or `minutes`; returns the RSS samples and train.py's exit status."""
+    command = [sys.executable, "train.py", f"--run_dir={run_dir}", f"--train.steps={steps}", "--log.wandb=offline",
+               "--log.progress=false", *extra]
+    samples: list = []
+    with open(run_dir.parent / "train.log", "w") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        sampler = threading.Thread(target=sample_memory, args=(proc, every, samples), daemon=True)
+        sampler.start()
+        try:
+            proc.wait(timeout=minutes * 60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # a preemption: it saves and exits 0
+            proc.wait()
+        sampler.join()
+    return samples, proc.returncode
+
+
+def step_times(metrics_path: Path) -> list[tuple[int, float]]:
+    """(step, seconds per step) of every training record of metrics.jsonl."""
+    out = []
+    for line in metrics_path.read_text().splitlines():
+        r = json.loads(line)
+        if "tokens_per_s" in r:
+            out.append((r["step"], r["tokens"] / r["step"] / r["tokens_per_s"]))  # tokens / step = B × T
+    return out
+
+
+def windows(values: list[tuple[float, float]], warmup: float, window: float) -> tuple[float, float]:
+    """Medians of `values` ((position, value), positions ascending) in the start window (right after the first
+    `warmup` share of the positions' span) and the end window (the last `window` share)."""
+    first, last = values[0][0], values[-1][0]
+    span = last - first
+    start_lo, start_hi = first + warmup * span, first + (warmup + window) * span
+    start = [v for x, v in values if start_lo <= x <= start_hi]
+    end = [v for x, v in values if x >= last - window * span]
+    if not start or not end:
+        raise ValueError(f"too few samples ({len(values)}) for the windows; run longer")
+    return statistics.median(start), statistics.median(end)
+
+
+def analyse(samples: list, steps: list, warmup: float, window: float) -> dict:
+    """The soak's figures: RSS and step time at the start and end windows, and their relative change."""
+    rss0, rss1 = windows([(t, float(b)) for t, b in samples if b], warmup, window)
+    dt0, dt1 = windows([(float(s), dt) for s, dt in steps], warmup, window)
+    return {
+        "steps": steps[-1][0] if steps else 0, "minutes": samples[-1][0] / 60 if samples else 0.0,
+        "rss_start_mib": rss0 / 2**20, "rss_end_mib": rss1 / 2**20, "rss_growth": rss1 / rss0 - 1,
+        "rss_peak_mib": max(b for _, b in samples) / 2**20,
+        "step_ms_start": dt0 * 1e3, "step_ms_end": dt1 * 1e3, "step_time_drift": dt1 / dt0 - 1,
+    }
+
+
+def report(r: dict) -> str:
+    verdict = lambda x: "within" if abs(x) <= GOAL else "OVER"  # noqa: E731
+    return "\n".join([
+        f"soak: {r['steps']:,} steps in {r['minutes']:.1f} min (load average {r.get('loadavg', '?')})",
+        f"RSS        {r['rss_start_mib']:8.1f} MiB -> {r['rss_end_mib']:8.1f} MiB  {r['rss_growth']:+.2%}"
+        f"  ({verdict(r['rss_growth'])} the {GOAL:.0%} goal; peak {r['rss_peak_mib']:.1f} MiB)",
+        f"step time  {r['step_ms_start']:8.2f} ms  -> {r['step_ms_end']:8.2f} ms   {r['step_time_drift']:+.2%}"
+        f"  ({verdict(r['step_time_drift'])} the {GOAL:.0%} goal)",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20_000, help="train.steps: the schedule and the step limit")
+    p.add_argument("--minutes", type=float, default=30.0, help="stop (SIGTERM) after this long")
+    p.add_argument("--warmup", type=float, default=0.1, help="share of the run left out at the start")
+    p.add_argument("--window", type=float, default=0.1, help="share of the run each window covers")
+    p.add_argument("--sample_every", type=float, default=5.0, help="seconds between RSS samples")
+    p.add_argument("--work_dir", default=None, help="where the run directory and train.log go (default: a temp)")
+    p.add_argument("--json", default=None, help="also write the figures here")
+    p.add_argument("train_flags", nargs=argparse.REMAINDER, help="-- then more train.py flags")
+    args = p.parse_args(argv)
+    extra = args.train_flags[1:] if args.train_flags[:1] == ["--"] else args.train_flags
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    samples, code = run_training(work / "run", args.steps, args.minutes, extra, args.sample_every)
+    if code != 0:
+        print(f"error: train.py exited {code}; see {work / 'train.log'}", file=sys.stderr)
+        return 1
+    figures = {**analyse(samples, step_times(work / "run" / "metrics.jsonl"), args.warmup, args.window),
+               "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()), "cpus": os.cpu_count()}
+    print(report(figures))
+    if args.json:
+        Path(args.json).write_text(json.dumps({**figures, "rss_samples": samples}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
