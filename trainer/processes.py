@@ -150,8 +150,12 @@ class _Job:
     def _end(self, value: str) -> None:
         """Ends this process because another one failed (`value` is "N: reason")."""
         who, _, reason = value.partition(": ")
+        note = ""
+        if _ending_note is not None:
+            with contextlib.suppress(Exception):  # the line and the exit matter more than the note
+                note = _ending_note(reason)
         self._going()
-        print(f"error: process {who} failed ({reason}); process {self.me} stops with it", file=sys.stderr,
+        print(f"error: process {who} failed ({reason}); process {self.me} stops with it{note}", file=sys.stderr,
               flush=True)
         os._exit(2)
 
@@ -194,6 +198,27 @@ class _Job:
 
 
 _job: _Job | None = None  # set while failing_together is active on a job of several processes
+_ending_note: Callable[[str], str] | None = None  # see set_ending_note
+
+
+def set_ending_note(note: Callable[[str], str] | None) -> None:
+    """What this process does first when another process's failure ends it: `note(reason)` may leave a record
+    (the stall watchdog writes its threads' stacks) and returns text for the end of its one line."""
+    global _ending_note
+    _ending_note = note
+
+
+def end_process(reason: str, notify_s: float) -> None:
+    """Ends this process now, from any thread, without waiting on the main thread or a collective: one line,
+    the other processes told (for at most `notify_s`: a frozen coordinator never answers), exit 2. For a
+    process that can no longer finish its work (it is stuck), where end_job's caller still could."""
+    print(f"error: {reason}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if _job is not None:
+        telling = threading.Thread(target=_job.fail, args=(reason,), name="job-ending", daemon=True)
+        telling.start()
+        telling.join(notify_s)
+    os._exit(2)
 
 
 def end_job(reason: str) -> None:
