@@ -31,7 +31,8 @@ import jax
 
 from trainer.processes import end_process, set_ending_note
 
-COMPILED = "/jax/core/compile/backend_compile_duration"  # JAX's monitoring event at each compilation's end
+COMPILING = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+             "/jax/core/compile/backend_compile_duration")  # JAX's monitoring events: a compilation's stages
 STALL = "stalled"  # a stall's reason starts with it: a peer that ends for it writes its own stacks too
 FACTOR = 20  # the automatic timeout: this many median call times (a call's time varies by a few x at most) ...
 WINDOW = 101  # ... over the latest calls (bounded: a long run's memory stays flat)
@@ -83,8 +84,8 @@ class Watchdog:
 
     def _compiled(self, event: str, duration: float, **kwargs) -> None:
         """A compilation (the pre-save probe's, the first evaluation's, Orbax's at the first save) is progress,
-        not a stall: the clock restarts at its end."""
-        if event == COMPILED:
+        not a stall: the clock restarts at the end of each of its stages (trace, lowering, XLA)."""
+        if event in COMPILING:
             self.last = time.monotonic()
 
     @contextlib.contextmanager

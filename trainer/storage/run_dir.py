@@ -61,11 +61,12 @@ class RunDir:
             self.path.mkdir(parents=True, exist_ok=True)
         self.check_writable()
 
-    def check_writable(self, subdir: str = "") -> None:
+    def check_writable(self, subdir: str = "", *, for_file: str | None = None) -> None:
         """Really writes a file (mkdir succeeds on an existing read-only directory; root ignores modes; on GCS
-        it succeeds in a bucket that does not exist)."""
+        it succeeds in a bucket that does not exist). A failure names the directory, or `for_file` in it (the
+        file the caller is about to write)."""
         directory = self.path / subdir if subdir else self.path
-        with storage_errors("write to", directory):
+        with storage_errors(*(("write", directory / for_file) if for_file else ("write to", directory))):
             directory.mkdir(parents=True, exist_ok=True)
             probe = directory / f".write-probe-{os.getpid()}"
             probe.write_text("")
