@@ -302,8 +302,9 @@ def test_a_validation_split_shorter_than_the_window_is_refused_naming_the_flags(
     warning = capsys.readouterr().err
     val_tokens = json.loads((tmp_path / "tiny" / "meta.json").read_text())["val_tokens"]
     assert 33 < val_tokens < 64
-    assert warning.startswith(f"warning: {tmp_path / 'tiny'}: the val split has {val_tokens} tokens: windows of up to"
-                              f" train.seq_len={val_tokens - 1} (GPT-2's is 1024); for longer ones raise --val_fraction")
+    assert warning.startswith(f"warning: {tmp_path / 'tiny'}: the val split has {val_tokens} tokens: windows of up"
+                              f" to train.seq_len={val_tokens - 1} (GPT-2's is 1024); for longer ones raise"
+                              " --val_fraction")
     message = train_error(tmp_path, shakespeare, f"--data.dataset={tmp_path / 'tiny'}", "--train.seq_len=64")
     assert message == (f"error: {tmp_path / 'tiny'}: the val split has {val_tokens} tokens, fewer than one window of"
                        f" seq_len + 1 = 65; lower train.seq_len (eval.py: --seq_len) below {val_tokens}, or prepare the"

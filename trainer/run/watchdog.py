@@ -50,7 +50,8 @@ class Watchdog:
     seconds, or (None) `stall_timeout` of the call times beaten so far with `floor`; 0: never.
 
     Armed by the first beat (after the first call: its compilation is not a stall; later ones restart the
-    clock); a context manager that disarms it on exit. `end(reason)` ends the process (a test may record the reason instead).
+    clock); a context manager that disarms it on exit. `end(reason)` ends the process (a test may record the
+    reason instead).
     """
 
     def __init__(self, stacks: Path, *, timeout: float | None, floor: float, process: int = 0,
