@@ -11,8 +11,10 @@ preemption: a checkpoint, exit 0). Per-step time comes from metrics.jsonl (`batc
 of each call, so calls cut short at an evaluation or a checkpoint weigh the same per step).
 
 Warm-up (compilation, the first evaluations and saves, the allocator reaching its working set) is the first
-`--warmup` share of the run. The start window is the next `--window` share, the end window the last one; the
-figures are each window's median. Goals: RSS growth and step-time drift both within 5 %.
+`--warmup` steps (at most half of the run). The start window is the next `--window` share of the steps, the end
+window the last one; the figures are each window's median, RSS sampled while train calls ran (each sample placed
+at the step reached, from events.jsonl; the start-up and the final save and sample are left out). Goals: RSS
+growth and step-time drift both within 5 %.
 """
 
 from __future__ import annotations
@@ -54,15 +56,15 @@ def children(pid: int) -> list[int]:
 
 
 def sample_memory(proc: subprocess.Popen, every: float, samples: list) -> None:
-    """Appends (seconds since start, RSS bytes) until the child exits."""
-    start = time.monotonic()
+    """Appends (Unix time, RSS bytes) until the child exits."""
     while proc.poll() is None:
-        samples.append((time.monotonic() - start, rss_bytes(proc.pid)))
+        samples.append((time.time(), rss_bytes(proc.pid)))
         time.sleep(every)
 
 
 def run_training(run_dir: Path, steps: int, minutes: float, extra: list[str], every: float) -> tuple[list, int]:
-    """Trains until `steps` or `minutes`; returns the RSS samples and train.py's exit status."""
+    """Trains until `steps` or `minutes`; returns the RSS samples (Unix time, bytes) and train.py's exit
+    status."""
     command = [sys.executable, "train.py", f"--run_dir={run_dir}", f"--train.steps={steps}", "--log.wandb=offline",
                "--log.progress=false", *extra]
     samples: list = []
@@ -89,25 +91,43 @@ def step_times(metrics_path: Path) -> list[tuple[int, float]]:
     return out
 
 
-def windows(values: list[tuple[float, float]], warmup: float, window: float) -> tuple[float, float]:
-    """Medians of `values` ((position, value), positions ascending) in the start window (right after the first
-    `warmup` share of the positions' span) and the end window (the last `window` share)."""
-    first, last = values[0][0], values[-1][0]
-    span = last - first
-    start_lo, start_hi = first + warmup * span, first + (warmup + window) * span
-    start = [v for x, v in values if start_lo <= x <= start_hi]
-    end = [v for x, v in values if x >= last - window * span]
+def steps_reached(events_path: Path) -> list[tuple[float, int]]:
+    """(Unix time, step reached) at the end of every train call, from events.jsonl."""
+    calls = [json.loads(line) for line in events_path.read_text().splitlines()]
+    return [(c["end"], c["first"] + c["steps"]) for c in calls if c.get("event") == "train_call"]
+
+
+def at_steps(samples: list, reached: list[tuple[float, int]]) -> list[tuple[int, float]]:
+    """The RSS samples taken while training ran, each placed at the step the run had reached: the start-up
+    before the first call and the shutdown after the last one (a final save and sample) are left out."""
+    out, i = [], 0
+    for t, rss in samples:
+        while i < len(reached) and reached[i][0] <= t:
+            i += 1
+        if 0 < i < len(reached) and rss:
+            out.append((reached[i - 1][1], float(rss)))
+    return out
+
+
+def windows(values: list[tuple[int, float]], warmup: int, window: float) -> tuple[float, float]:
+    """Medians of `values` ((step, value), steps ascending) in the start window (the `window` share of the
+    steps right after `warmup` steps, or after half of them in a shorter run) and the end window (the last
+    `window` share)."""
+    last = values[-1][0]
+    start_lo = min(warmup, last // 2)
+    start = [v for s, v in values if start_lo < s <= start_lo + window * last]
+    end = [v for s, v in values if s > last - window * last]
     if not start or not end:
         raise ValueError(f"too few samples ({len(values)}) for the windows; run longer")
     return statistics.median(start), statistics.median(end)
 
 
-def analyse(samples: list, steps: list, warmup: float, window: float) -> dict:
+def analyse(samples: list, reached: list, steps: list, warmup: int, window: float) -> dict:
     """The soak's figures: RSS and step time at the start and end windows, and their relative change."""
-    rss0, rss1 = windows([(t, float(b)) for t, b in samples if b], warmup, window)
-    dt0, dt1 = windows([(float(s), dt) for s, dt in steps], warmup, window)
+    rss0, rss1 = windows(at_steps(samples, reached), warmup, window)
+    dt0, dt1 = windows(steps, warmup, window)
     return {
-        "steps": steps[-1][0] if steps else 0, "minutes": samples[-1][0] / 60 if samples else 0.0,
+        "steps": steps[-1][0] if steps else 0, "minutes": (samples[-1][0] - samples[0][0]) / 60 if samples else 0.0,
         "rss_start_mib": rss0 / 2**20, "rss_end_mib": rss1 / 2**20, "rss_growth": rss1 / rss0 - 1,
         "rss_peak_mib": max(b for _, b in samples) / 2**20,
         "step_ms_start": dt0 * 1e3, "step_ms_end": dt1 * 1e3, "step_time_drift": dt1 / dt0 - 1,
@@ -129,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20_000, help="train.steps: the schedule and the step limit")
     p.add_argument("--minutes", type=float, default=30.0, help="stop (SIGTERM) after this long")
-    p.add_argument("--warmup", type=float, default=0.1, help="share of the run left out at the start")
+    p.add_argument("--warmup", type=int, default=500,
+                   help="steps left out at the start (the default config's first 5 evaluations and 2 checkpoints)")
     p.add_argument("--window", type=float, default=0.1, help="share of the run each window covers")
     p.add_argument("--sample_every", type=float, default=5.0, help="seconds between RSS samples")
     p.add_argument("--work_dir", default=None, help="where the run directory and train.log go (default: a temp)")
@@ -143,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0:
         print(f"error: train.py exited {code}; see {work / 'train.log'}", file=sys.stderr)
         return 1
-    figures = {**analyse(samples, step_times(work / "run" / "metrics.jsonl"), args.warmup, args.window),
+    run = work / "run"
+    figures = {**analyse(samples, steps_reached(run / "events.jsonl"), step_times(run / "metrics.jsonl"),
+                         args.warmup, args.window),
                "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()), "cpus": os.cpu_count()}
     print(report(figures))
     if args.json:

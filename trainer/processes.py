@@ -163,12 +163,17 @@ class _Job:
         with contextlib.suppress(Exception):
             self.client.key_value_set(_GONE + str(self.me), "1")
         if self.me == 0:  # the others' requests need the service until they have read their stop key
-            deadline = time.monotonic() + _WAIT_FOR_PEERS_S
-            for other in range(1, self.n):
+            self.wait_for_others(_WAIT_FOR_PEERS_S)
+            time.sleep(0.2)  # their os._exit after setting the key
+
+    def wait_for_others(self, seconds: float) -> None:
+        """Waits (at most `seconds`) until every other process has said it is going."""
+        deadline = time.monotonic() + seconds
+        for other in range(self.n):
+            if other != self.me:
                 left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
                 with contextlib.suppress(Exception):
                     self.client.blocking_key_value_get(_GONE + str(other), max(left_ms, 1))
-            time.sleep(0.2)  # their os._exit after setting the key
 
     def fail(self, reason: str, *, own: bool = True) -> None:
         """Reports this process's failure to every other process (the first report stands). An error that is not
@@ -210,12 +215,20 @@ def set_ending_note(note: Callable[[str], str] | None) -> None:
 
 def end_process(reason: str, notify_s: float) -> None:
     """Ends this process now, from any thread, without waiting on the main thread or a collective: one line,
-    the other processes told (for at most `notify_s`: a frozen coordinator never answers), exit 2. For a
-    process that can no longer finish its work (it is stuck), where end_job's caller still could."""
+    the other processes told, exit 2. It waits (at most `notify_s`: a frozen coordinator never answers) until
+    the others have ended: while it lives they are still where they were stuck when their notes (stacks) are
+    taken, not unwinding from the collective its exit breaks. For a process that can no longer finish its work
+    (it is stuck), where end_job's caller still could."""
     print(f"error: {reason}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     if _job is not None:
-        telling = threading.Thread(target=_job.fail, args=(reason,), name="job-ending", daemon=True)
+        job = _job
+
+        def tell() -> None:
+            job.fail(reason)
+            job.wait_for_others(notify_s)
+
+        telling = threading.Thread(target=tell, name="job-ending", daemon=True)
         telling.start()
         telling.join(notify_s)
     os._exit(2)
