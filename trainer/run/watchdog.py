@@ -106,10 +106,9 @@ class Watchdog:
         self.wake.set()  # stops the thread at its next look
         if self.armed:
             jax.monitoring.unregister_event_duration_listener(self._compiled)
-        if self.thread.is_alive():
-            faulthandler.cancel_dump_traceback_later()
             set_ending_note(None)
             self.thread.join(timeout=1)
+            faulthandler.cancel_dump_traceback_later()  # after the thread's last re-arming
         if self.file is not None:
             self.file.close()
             with contextlib.suppress(OSError):
