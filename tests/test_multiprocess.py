@@ -318,7 +318,8 @@ STALL_FLAGS = ["--distributed.stall_timeout_seconds=20", "--distributed.heartbea
 def test_a_frozen_process_ends_the_other_within_the_stall_timeout_and_the_run_resumes(shakespeare, tmp_path):
     """Process 1's host is frozen (SIGSTOP) mid-run and the heartbeat would wait 300 s: process 0, waiting
     for it in a collective, ends within the stall timeout plus the 5 s it gives the others to hear of it, in
-    one line naming its stacks; the restart resumes from the newest checkpoint. (~60 s)"""
+    one line naming its stacks; the restart resumes from the newest checkpoint. (3.5 min on the shared 2-core
+    machine, load ~14)"""
     run_dir = tmp_path / "run"
     procs = start_processes(run_dir, shakespeare, *STALL_FLAGS)
     wait_for_steps(run_dir, 6, procs[0])
@@ -356,7 +357,7 @@ read_window, reads = data.loader.TokenWindows.__getitem__, [0]
 
 def read_window_from_a_dead_disk(self, index):
     reads[0] += 1
-    if os.environ["JAX_PROCESS_ID"] == "1" and reads[0] > 40:  # a few calls in
+    if os.environ["JAX_PROCESS_ID"] == "1" and reads[0] > 120:  # ~15 calls in, well past the start-up
         open(os.environ["DEAD_DISK"]).read()  # a FIFO nobody writes: blocks in the kernel, as a hung mount
     return read_window(self, index)
 
@@ -368,13 +369,13 @@ sys.exit(train.main())
 
 def test_a_data_read_that_never_returns_ends_both_processes_with_the_read_on_file(shakespeare, tmp_path):
     """Process 1's data read blocks forever while process 0 waits for it in a collective: both end in one line
-    each naming the stall and their stacks, and process 1's stacks show the read. (~45 s)"""
+    each naming the stall and their stacks, and process 1's stacks show the read. (1-3 min there)"""
     run_dir, program, fifo = tmp_path / "run", tmp_path / "dead_disk.py", tmp_path / "dead_disk"
     program.write_text(DEAD_DISK)
     os.mkfifo(fifo)
     procs = start_processes(run_dir, shakespeare, *STALL_FLAGS, program=program,
                             env={"DEAD_DISK": str(fifo), "PYTHONPATH": str(ROOT)})
-    errs, spread = end_both(procs, timeout=240)
+    errs, spread = end_both(procs, timeout=400)
     assert [p.returncode for p in procs] == [2, 2], errs
     for i, err in enumerate(errs):
         assert len(err.strip().splitlines()) == 1, err
