@@ -35,13 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 GOAL = 0.05  # the issue's bound on RSS growth and step-time drift
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident memory of `pid` and its children (Grain workers), from /proc; 0 once it has exited."""
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """Resident memory of `pid` and its children (Grain workers), from /proc: all of it (VmRSS), or its
+    anonymous part (RssAnon: the heap, what a leak grows; the rest is mapped files, which the kernel may drop
+    and fault back in under a neighbour's memory pressure). 0 once it has exited."""
     total = 0
     for p in [pid, *children(pid)]:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     total += int(line.split()[1]) * 1024
         except (FileNotFoundError, ProcessLookupError):
             pass
@@ -56,9 +58,9 @@ def children(pid: int) -> list[int]:
 
 
 def sample_memory(proc: subprocess.Popen, every: float, samples: list) -> None:
-    """Appends (Unix time, RSS bytes) until the child exits."""
+    """Appends (Unix time, RSS bytes, anonymous RSS bytes) until the child exits."""
     while proc.poll() is None:
-        samples.append((time.time(), rss_bytes(proc.pid)))
+        samples.append((time.time(), rss_bytes(proc.pid), rss_bytes(proc.pid, "RssAnon")))
         time.sleep(every)
 
 
@@ -97,11 +99,13 @@ def steps_reached(events_path: Path) -> list[tuple[float, int]]:
     return [(c["end"], c["first"] + c["steps"]) for c in calls if c.get("event") == "train_call"]
 
 
-def at_steps(samples: list, reached: list[tuple[float, int]]) -> list[tuple[int, float]]:
-    """The RSS samples taken while training ran, each placed at the step the run had reached: the start-up
-    before the first call and the shutdown after the last one (a final save and sample) are left out."""
+def at_steps(samples: list, reached: list[tuple[float, int]], column: int = 1) -> list[tuple[int, float]]:
+    """The RSS samples (`column` of each) taken while training ran, each placed at the step the run had
+    reached: the start-up before the first call and the shutdown after the last one (a final save and sample)
+    are left out."""
     out, i = [], 0
-    for t, rss in samples:
+    for t, *values in samples:
+        rss = values[column - 1]
         while i < len(reached) and reached[i][0] <= t:
             i += 1
         if 0 < i < len(reached) and rss:
@@ -125,21 +129,29 @@ def windows(values: list[tuple[int, float]], warmup: int, window: float) -> tupl
 def analyse(samples: list, reached: list, steps: list, warmup: int, window: float) -> dict:
     """The soak's figures: RSS and step time at the start and end windows, and their relative change."""
     rss0, rss1 = windows(at_steps(samples, reached), warmup, window)
+    anon = {}
+    if len(samples[0]) > 2:  # samples of RssAnon too
+        anon0, anon1 = windows(at_steps(samples, reached, 2), warmup, window)
+        anon = {"anon_start_mib": anon0 / 2**20, "anon_end_mib": anon1 / 2**20, "anon_growth": anon1 / anon0 - 1}
     dt0, dt1 = windows(steps, warmup, window)
     return {
+        **anon,
         "steps": steps[-1][0] if steps else 0, "minutes": (samples[-1][0] - samples[0][0]) / 60 if samples else 0.0,
         "rss_start_mib": rss0 / 2**20, "rss_end_mib": rss1 / 2**20, "rss_growth": rss1 / rss0 - 1,
-        "rss_peak_mib": max(b for _, b in samples) / 2**20,
+        "rss_peak_mib": max(s[1] for s in samples) / 2**20,
         "step_ms_start": dt0 * 1e3, "step_ms_end": dt1 * 1e3, "step_time_drift": dt1 / dt0 - 1,
     }
 
 
 def report(r: dict) -> str:
     verdict = lambda x: "within" if abs(x) <= GOAL else "OVER"  # noqa: E731
+    anon = ([f"anonymous  {r['anon_start_mib']:8.1f} MiB -> {r['anon_end_mib']:8.1f} MiB  {r['anon_growth']:+.2%}"
+             "  (the heap: what a leak grows)"] if "anon_growth" in r else [])
     return "\n".join([
         f"soak: {r['steps']:,} steps in {r['minutes']:.1f} min (load average {r.get('loadavg', '?')})",
         f"RSS        {r['rss_start_mib']:8.1f} MiB -> {r['rss_end_mib']:8.1f} MiB  {r['rss_growth']:+.2%}"
         f"  ({verdict(r['rss_growth'])} the {GOAL:.0%} goal; peak {r['rss_peak_mib']:.1f} MiB)",
+        *anon,
         f"step time  {r['step_ms_start']:8.2f} ms  -> {r['step_ms_end']:8.2f} ms   {r['step_time_drift']:+.2%}"
         f"  ({verdict(r['step_time_drift'])} the {GOAL:.0%} goal)",
     ])
