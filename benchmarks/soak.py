@@ -119,9 +119,10 @@ def windows(values: list[tuple[int, float]], warmup: int, window: float) -> tupl
     `window` share)."""
     last = values[-1][0]
     start_lo = min(warmup, last // 2)
-    start = [v for s, v in values if start_lo < s <= start_lo + window * last]
+    past = [v for s, v in values if s > start_lo]
+    start = [v for s, v in values if start_lo < s <= start_lo + window * last] or past[:1]  # at least a call
     end = [v for s, v in values if s > last - window * last]
-    if not start or not end:
+    if not start:
         raise ValueError(f"too few samples ({len(values)}) for the windows; run longer")
     return statistics.median(start), statistics.median(end)
 
