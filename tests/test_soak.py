@@ -3,7 +3,6 @@
 
 import json
 
-
 from benchmarks import soak
 from trainer.telemetry.metrics import LossCurve
 
