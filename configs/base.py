@@ -222,6 +222,13 @@ class DistributedConfig:
       heartbeat_timeout_seconds: a process missing this long (>= 1 s) is declared dead and the others exit
         with an error instead of waiting forever.
       initialization_timeout: seconds to wait for every process to join (>= 1).
+      stall_timeout_seconds: end the job when no train call has finished for this long (>= 0 s; one process
+        too): each process that can still act writes its threads' stacks to <run_dir>/logs/stacks.<i>.txt and
+        exits 2 with one line. None: max(stall_floor_seconds, 20 × the median call time), counted from the
+        first call's end (its compilation is not a stall); 0: no watchdog. An evaluation or a checkpoint must
+        finish within it too; train.eval_tasks' lm-eval runs pause it.
+      stall_floor_seconds: the automatic stall timeout's floor (> 0); on a gs:// run directory at least
+        storage.retry_seconds + storage.request_timeout, so that the storage layer reports its own failures.
     """
 
     coordinator_address: str | None = None
@@ -229,6 +236,8 @@ class DistributedConfig:
     process_id: int | None = None
     heartbeat_timeout_seconds: int = 100
     initialization_timeout: int = 300
+    stall_timeout_seconds: float | None = None
+    stall_floor_seconds: float = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,6 +387,9 @@ def validate(c: Config) -> None:
     _real("guard.decay", c.guard.decay, low=0, high=1, low_open=True, high_open=True)
     for name in ("retry_seconds", "request_timeout", "metrics_every", "lock_refresh_seconds"):
         _real(f"storage.{name}", getattr(c.storage, name), low=0, low_open=True)
+    if d.stall_timeout_seconds is not None:
+        _real("distributed.stall_timeout_seconds", d.stall_timeout_seconds, low=0)
+    _real("distributed.stall_floor_seconds", d.stall_floor_seconds, low=0, low_open=True)
     if t.peak_flops is not None:
         _real("train.peak_flops", t.peak_flops, low=0, low_open=True)
     if c.model.param_dtype == "float16":

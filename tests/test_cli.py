@@ -302,9 +302,12 @@ def test_a_validation_split_shorter_than_the_window_is_refused_naming_the_flags(
     text = tmp_path / "input.txt"
     text.write_text("ROMEO: But, soft! what light through yonder window breaks?\n" * 400)
     prepare_main(["--source", str(text), "--out_dir", str(tmp_path / "tiny"), "--val_fraction", "0.007"])
-    assert "warning: " in capsys.readouterr().err
+    warning = capsys.readouterr().err
     val_tokens = json.loads((tmp_path / "tiny" / "meta.json").read_text())["val_tokens"]
     assert 33 < val_tokens < 64
+    assert warning.startswith(f"warning: {tmp_path / 'tiny'}: the val split has {val_tokens} tokens: windows of up"
+                              f" to train.seq_len={val_tokens - 1} (GPT-2's is 1024); for longer ones raise"
+                              " --val_fraction")
     message = train_error(tmp_path, shakespeare, f"--data.dataset={tmp_path / 'tiny'}", "--train.seq_len=64")
     assert message == (f"error: {tmp_path / 'tiny'}: the val split has {val_tokens} tokens, fewer than one window of"
                        f" seq_len + 1 = 65; lower train.seq_len (eval.py: --seq_len) below {val_tokens}, or prepare the"
@@ -465,8 +468,8 @@ def test_eval_of_a_read_only_run_dir_asks_for_out_first_then_evaluates(k4_copy, 
     """A mounted bucket, say: eval.json cannot go there (said before any work), the library logs go elsewhere."""
     with read_only(k4_copy):
         code, out, err = eval_lines("--run_dir", str(k4_copy))
-        assert code == 2 and out == "" and err == [f"error: cannot write to {k4_copy}: Read-only file system; pass"
-                                                   " --out to write the results elsewhere"]
+        assert code == 2 and out == "" and err == [f"error: cannot write {k4_copy / 'eval.json'}: Read-only file"
+                                                   " system; pass --out to write the results elsewhere"]
         code, out, err = eval_lines("--run_dir", str(k4_copy), "--out", str(tmp_path / "results.json"))
     assert code == 0, err
     assert "step 12: val_loss" in out and (tmp_path / "results.json").exists()

@@ -460,6 +460,27 @@ def test_an_append_whose_response_was_lost_is_retried_and_lands_once(gcs, outage
     assert path.read_text() == "1\n2\n3\n"
 
 
+def test_an_append_whose_answer_is_lost_as_the_budget_runs_out_is_looked_up_before_it_fails(gcs, outages,
+                                                                                         monkeypatch):
+    """The attempt that exhausts the retry budget (here the first: a budget of 0) reaches GCS but its answer is
+    lost: the object is read back once before the failure is reported, and the append, made, is not reported
+    failed (a record never both written and reported failed)."""
+    from trainer.storage import retries
+    from trainer.storage.files import append
+    from trainer.storage.retries import retry_storage_for
+
+    for name in ("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"):
+        monkeypatch.delenv(name, raising=False)  # as it was, afterwards: later subprocesses inherit it
+    monkeypatch.setitem(retries._retry, "budget", retries._retry["budget"])
+    retry_storage_for(0, 60)  # the budgeted retries, with no time to retry
+    path = epath.Path(gs("lost-last-append.jsonl"))
+    path.write_text("1\n")
+    outages.lose_response(b"lost-last-append.jsonl/compose")
+    assert append(path, "2\n") == 2
+    assert outages.fired == [b"lost-last-append.jsonl/compose"]
+    assert path.read_text() == "1\n2\n"
+
+
 @pytest.mark.parametrize("size, made", [(5, True), (4, False)])
 def test_a_refused_compose_counts_as_made_only_if_the_object_has_its_size(size, made):
     """Real GCS answers a compose repeated after its first attempt landed with HTTP 412 (fake-gcs-server does

@@ -123,3 +123,24 @@ def test_the_report_cli_reads_a_run_directory(tmp_path, capsys):
     with pytest.raises(SystemExit):
         goodput_cli.main([str(tmp_path / "missing")])
     assert "no events.jsonl" in capsys.readouterr().err
+
+
+def test_a_start_reads_events_jsonl_once_and_drops_a_torn_last_line(tmp_path, monkeypatch, capsys):
+    """The attempt's number and the torn-line repair come from one read of the file."""
+    from trainer.storage.run_dir import RunDir
+    from trainer.telemetry.timeline import open_timeline
+
+    events = tmp_path / "events.jsonl"
+    events.write_text('{"event": "attempt_start", "attempt": 1, "time": 1.0}\n{"event": "interv')
+    reads, load = [], RunDir._load_jsonl
+    counted = staticmethod(lambda path, **kw: reads.append(path.name) or load(path, **kw))
+    monkeypatch.setattr(RunDir, "_load_jsonl", counted)
+    timeline = open_timeline(RunDir(tmp_path), 2.0, 3.0)
+    timeline.commit()
+    timeline.end("finished")
+    assert reads == ["events.jsonl"]
+    records = read_jsonl(events)
+    assert records[0] == {"event": "attempt_start", "attempt": 1, "time": 1.0}
+    assert [r["attempt"] for r in records[1:]] == [2] * (len(records) - 1) and records[-1]["how"] == "finished"
+    assert capsys.readouterr().err == (f"warning: {events}: dropped a torn last line (a kill or a full disk during"
+                                       " its write)\n")

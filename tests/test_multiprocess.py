@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,15 +103,16 @@ def test_init_from_on_two_processes_reads_each_ones_shards_bitwise_as_one_proces
         assert process["read_bytes"] < 0.52 * one["read_bytes"] and process["held_bytes"] < 0.52 * one["held_bytes"]
 
 
-def start_processes(run_dir, shakespeare, *extra, stderr=subprocess.PIPE, env=None):
-    """Two train.py processes of one job started directly (no launcher to forward signals)."""
+def start_processes(run_dir, shakespeare, *extra, stderr=subprocess.PIPE, env=None, program="train.py"):
+    """Two train.py processes (or `program`'s, which runs train.py) of one job started directly (no launcher to
+    forward signals)."""
     port, procs, extra_env = free_port(), [], env or {}
     for pid in range(2):
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid),
                **extra_env}
         procs.append(subprocess.Popen(
-            [sys.executable, "train.py", "--run_dir", str(run_dir), f"--data.cache_dir={shakespeare}", *COMMON,
+            [sys.executable, str(program), "--run_dir", str(run_dir), f"--data.cache_dir={shakespeare}", *COMMON,
              "--train.steps=400", "--train.eval_every=0", "--checkpoint.every=1000", "--train.sample_tokens=0",
              *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True))
     return procs
@@ -305,3 +307,79 @@ def test_an_error_on_either_process_ends_both_in_one_line_each(tmp_path, failer)
     assert errs[failer] == f"error: {cause}\n"
     assert errs[other] == f"error: process {failer} failed ({cause}); process {other} stops with it\n"
     assert ended - failed_at < 5, ended - failed_at
+
+
+# ---- a stalled process ends the job -----------------------------------------------------------------------
+
+STALL_FLAGS = ["--distributed.stall_timeout_seconds=20", "--distributed.heartbeat_timeout_seconds=300",
+               "--checkpoint.every=4", "--checkpoint.keep=10"]
+
+
+def test_a_frozen_process_ends_the_other_within_the_stall_timeout_and_the_run_resumes(shakespeare, tmp_path):
+    """Process 1's host is frozen (SIGSTOP) mid-run and the heartbeat would wait 300 s: process 0, waiting
+    for it in a collective, ends within the stall timeout plus the 5 s it gives the others to hear of it, in
+    one line naming its stacks; the restart resumes from the newest checkpoint. (3.5 min on the shared 2-core
+    machine, load ~14)"""
+    run_dir = tmp_path / "run"
+    procs = start_processes(run_dir, shakespeare, *STALL_FLAGS)
+    wait_for_steps(run_dir, 6, procs[0])
+    while not checkpoints_of(run_dir):  # a finished save: the restart has something to resume
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGSTOP)
+    frozen = time.time()
+    try:
+        err = procs[0].communicate(timeout=120)[1]
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    took = time.time() - frozen
+    stacks = run_dir / "logs" / "stacks.0.txt"
+    assert procs[0].returncode == 2, err[-3000:]
+    line = ("error: stalled: no train call finished on process 0 for {} s (--distributed.stall_timeout_seconds:"
+            f" 20 s); every thread's stack is in {stacks}")
+    assert re.fullmatch(re.escape(line).replace(r"\{\}", r"\d+"), err.strip()), err[-3000:]  # one line
+    assert took < 20 + 5 + 10, took
+    assert "in run_calls" in stacks.read_text()  # the main thread, wherever the loop waits for process 1
+    newest = checkpoints_of(run_dir)[-1]
+    code, out, err = run_main(train_app.main, "--run_dir", str(run_dir), f"--data.cache_dir={shakespeare}", *COMMON,
+                              "--train.steps=400", f"--train.stop_after={newest + 2}", "--train.eval_every=0",
+                              "--checkpoint.every=1000")
+    assert code == 0 and f"resumed from {run_dir / 'checkpoints' / str(newest)}\n" in out, err[-3000:]
+    assert len(stacks.read_text().splitlines()) > 3  # the stall's stacks outlive the restart
+
+
+DEAD_DISK = """
+import os, sys
+import data.loader, train
+
+read_window, reads = data.loader.TokenWindows.__getitem__, [0]
+
+
+def read_window_from_a_dead_disk(self, index):
+    reads[0] += 1
+    if os.environ["JAX_PROCESS_ID"] == "1" and reads[0] > 120:  # ~15 calls in, well past the start-up
+        open(os.environ["DEAD_DISK"]).read()  # a FIFO nobody writes: blocks in the kernel, as a hung mount
+    return read_window(self, index)
+
+
+data.loader.TokenWindows.__getitem__ = read_window_from_a_dead_disk
+sys.exit(train.main())
+"""
+
+
+def test_a_data_read_that_never_returns_ends_both_processes_with_the_read_on_file(shakespeare, tmp_path):
+    """Process 1's data read blocks forever while process 0 waits for it in a collective: both end in one line
+    each naming the stall and their stacks, and process 1's stacks show the read. (1-3 min there)"""
+    run_dir, program, fifo = tmp_path / "run", tmp_path / "dead_disk.py", tmp_path / "dead_disk"
+    program.write_text(DEAD_DISK)
+    os.mkfifo(fifo)
+    procs = start_processes(run_dir, shakespeare, *STALL_FLAGS, program=program,
+                            env={"DEAD_DISK": str(fifo), "PYTHONPATH": str(ROOT)})
+    errs, spread = end_both(procs, timeout=400)
+    assert [p.returncode for p in procs] == [2, 2], errs
+    for i, err in enumerate(errs):
+        assert len(err.strip().splitlines()) == 1, err
+        assert "stalled: no train call finished on process" in err and f"stacks.{i}.txt" in err, err
+    assert spread < 8, spread
+    stacks = (run_dir / "logs" / "stacks.1.txt").read_text()
+    assert "in read_window_from_a_dead_disk" in stacks and "in next_batches" in stacks, stacks

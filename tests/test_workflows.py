@@ -356,6 +356,26 @@ def test_eval_task_errors_are_one_line_before_any_work(tasks_dir, tmp_path, monk
     assert message in err
 
 
+def test_with_no_hub_the_hub_libraries_go_offline_at_once(monkeypatch):
+    """No network: one refused connection puts huggingface_hub and datasets offline, so a hub task fails in one
+    line at once instead of after ~25 s of retries per file (and a cached dataset still loads)."""
+    import time
+
+    import datasets
+    from huggingface_hub import constants
+
+    from tools.launch import free_port
+    from trainer.eval.harness import offline_without_hub
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"https://127.0.0.1:{free_port()}")  # nothing listens there
+    started = time.monotonic()
+    offline_without_hub()
+    assert constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
+    assert time.monotonic() - started < 3
+
+
 # ---- benchmarks during training ---------------------------------------------------------------------
 
 

@@ -150,8 +150,12 @@ class _Job:
     def _end(self, value: str) -> None:
         """Ends this process because another one failed (`value` is "N: reason")."""
         who, _, reason = value.partition(": ")
+        note = ""
+        if _ending_note is not None:
+            with contextlib.suppress(Exception):  # the line and the exit matter more than the note
+                note = _ending_note(reason)
         self._going()
-        print(f"error: process {who} failed ({reason}); process {self.me} stops with it", file=sys.stderr,
+        print(f"error: process {who} failed ({reason}); process {self.me} stops with it{note}", file=sys.stderr,
               flush=True)
         os._exit(2)
 
@@ -159,12 +163,17 @@ class _Job:
         with contextlib.suppress(Exception):
             self.client.key_value_set(_GONE + str(self.me), "1")
         if self.me == 0:  # the others' requests need the service until they have read their stop key
-            deadline = time.monotonic() + _WAIT_FOR_PEERS_S
-            for other in range(1, self.n):
+            self.wait_for_others(_WAIT_FOR_PEERS_S)
+            time.sleep(0.2)  # their os._exit after setting the key
+
+    def wait_for_others(self, seconds: float) -> None:
+        """Waits (at most `seconds`) until every other process has said it is going."""
+        deadline = time.monotonic() + seconds
+        for other in range(self.n):
+            if other != self.me:
                 left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
                 with contextlib.suppress(Exception):
                     self.client.blocking_key_value_get(_GONE + str(other), max(left_ms, 1))
-            time.sleep(0.2)  # their os._exit after setting the key
 
     def fail(self, reason: str, *, own: bool = True) -> None:
         """Reports this process's failure to every other process (the first report stands). An error that is not
@@ -194,6 +203,35 @@ class _Job:
 
 
 _job: _Job | None = None  # set while failing_together is active on a job of several processes
+_ending_note: Callable[[str], str] | None = None  # see set_ending_note
+
+
+def set_ending_note(note: Callable[[str], str] | None) -> None:
+    """What this process does first when another process's failure ends it: `note(reason)` may leave a record
+    (the stall watchdog writes its threads' stacks) and returns text for the end of its one line."""
+    global _ending_note
+    _ending_note = note
+
+
+def end_process(reason: str, notify_s: float) -> None:
+    """Ends this process now, from any thread, without waiting on the main thread or a collective: one line,
+    the other processes told, exit 2. It waits (at most `notify_s`: a frozen coordinator never answers) until
+    the others have ended: while it lives they are still where they were stuck when their notes (stacks) are
+    taken, not unwinding from the collective its exit breaks. For a process that can no longer finish its work
+    (it is stuck), where end_job's caller still could."""
+    print(f"error: {reason}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if _job is not None:
+        job = _job
+
+        def tell() -> None:
+            job.fail(reason)
+            job.wait_for_others(notify_s)
+
+        telling = threading.Thread(target=tell, name="job-ending", daemon=True)
+        telling.start()
+        telling.join(notify_s)
+    os._exit(2)
 
 
 def end_job(reason: str) -> None:

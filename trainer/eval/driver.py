@@ -192,7 +192,7 @@ def check_results_file(out: str) -> None:
     place this process can write (a read-only run directory needs --out elsewhere)."""
     path = epath.Path(out)
     try:
-        RunDir(path.parent).check_writable()
+        RunDir(path.parent).check_writable(for_file=path.name)
     except StorageError as e:
         raise StorageError(f"{e}; pass --out to write the results elsewhere") from None
     with storage_errors("read", path):

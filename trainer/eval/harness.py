@@ -18,6 +18,8 @@ from __future__ import annotations
 import difflib
 import functools
 import math
+import socket
+import urllib.parse
 from pathlib import Path
 
 import jax
@@ -243,11 +245,28 @@ def check_tasks_load(tasks: str, include_path: str | None, flags: tuple[str, str
     """Every task known and its documents loadable now (a hub dataset with no network fails here, before any
     work, not at the first evaluation); the datasets library keeps what it loaded for the evaluations."""
     manager = task_manager(tasks, include_path, flags)
+    offline_without_hub()
     try:
         manager.load(task_names(tasks))
     except Exception as e:  # noqa: BLE001 - datasets and the hub raise many kinds; the reason is the line
         raise ConfigError(f"{flags[0]}: cannot load the tasks' documents ({first_line(e)}); with no network, give"
                           f" local task YAMLs in {flags[1]}") from None
+
+
+def offline_without_hub(timeout: float = 3.0) -> None:
+    """Puts the hub and datasets libraries in offline mode for this process when the hub does not take a
+    connection within `timeout` seconds: with no network they retry every file for ~25 s before failing, while
+    offline a dataset in the cache still loads and a missing one fails at once. Asked once, at the check."""
+    import datasets
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return
+    endpoint = urllib.parse.urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
+    except OSError:  # no route, no name resolution, or no answer
+        constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
 
 
 def evaluate_tasks(evaluator: Evaluator, params, *, tasks: str, include_path: str | None, limit: int | None,

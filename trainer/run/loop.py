@@ -8,6 +8,7 @@ waits after every call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -22,6 +23,7 @@ from trainer.run.context import RunContext
 from trainer.run.data_position import rows_consumed_or_none
 from trainer.run.preemption import Preemption
 from trainer.run.rollback import health, roll_back
+from trainer.run.watchdog import Watchdog
 from trainer.storage.checkpoints import finishing_saves, save_errors
 from trainer.storage.run_dir import merge_eval_results
 from trainer.telemetry.profiler import Profile
@@ -63,36 +65,44 @@ class TrainingLoop:
                         disable=not (run.cfg.log.progress and run.logger.active))
         self.calls, self.last_ready, self.last_done = 0, 0.0, 0.0
         self.evaluate = make_evaluator(run)
+        self.watchdog = watchdog_for(run)
 
     def run_to_stop(self):
-        call, pending = self.run.program.train_call(), None
         profile = Profile(self.cfg.log, self.run.run_dir / "profile", self.run.timeline)
         with finishing_saves(self.run.ckpt), profile as self.profile:
-            while self.step < self.stop:
-                n = steps_this_call(self.step, self.stop, self.cfg)
-                batches, active = self.next_batches(n, waiting=pending is None)
-                self.profile.before_call(self.step, n)
-                accounted_from = self.run.timeline.mark  # the first call compiles: the timeline carves that out
-                self.state, metrics = call(self.state, batches, active)
-                dispatched = DispatchedCall(self.step, n, metrics, batches, time.perf_counter(), accounted_from)
-                self.step += n
-                if pending is not None and not self.finish(pending):
-                    pending = None  # rolled back: the call just dispatched is abandoned with it
-                    continue
-                pending = dispatched
-                saving, done = self.boundary()
-                if saving or done or not self.cfg.train.async_calls or self.at_eval():
-                    pending = None
-                    if self.finish(dispatched, probe=saving):
-                        self.checkpoint_and_evaluate(saving)
-                        if done:
-                            break
+            with self.watchdog:
+                self.run_calls()
             self.bar.close()
             with save_errors(self.run.ckpt), self.run.timeline.measure("checkpoint"):
                 self.run.ckpt.wait()
         if self.preemption.signal_name and self.run.logger.active:
             print(f"stopped by {self.preemption.signal_name} at step {self.step}; checkpoint saved, restart to resume")
         return self.state
+
+    def run_calls(self) -> None:
+        """Dispatches train calls until the stop step (or a preemption), each one before the previous one's
+        metrics are read unless a boundary needs them now."""
+        call, pending = self.run.program.train_call(), None
+        while self.step < self.stop:
+            n = steps_this_call(self.step, self.stop, self.cfg)
+            batches, active = self.next_batches(n, waiting=pending is None)
+            self.profile.before_call(self.step, n)
+            accounted_from = self.run.timeline.mark  # the first call compiles: the timeline carves that out
+            self.state, metrics = call(self.state, batches, active)
+            dispatched = DispatchedCall(self.step, n, metrics, batches, time.perf_counter(), accounted_from)
+            self.step += n
+            if pending is not None and not self.finish(pending):
+                pending = None  # rolled back: the call just dispatched is abandoned with it
+                continue
+            pending = dispatched
+            saving, done = self.boundary()
+            if saving or done or not self.cfg.train.async_calls or self.at_eval():
+                pending = None
+                if self.finish(dispatched, probe=saving):
+                    self.checkpoint_and_evaluate(saving)
+                    self.watchdog.beat()
+                    if done:
+                        break
 
     def next_batches(self, n: int, *, waiting: bool):
         """The next call's batches: read while the previous call runs on the devices, or, when none runs
@@ -131,6 +141,7 @@ class TrainingLoop:
             self.run.timeline.rolled_back(self.step)
             restart_bar(self.bar, self.step)
             self.last_ready = self.last_done = 0.0
+            self.watchdog.beat()
             return False
         # the call that compiled: its first execution also loads the program onto the devices, host work that
         # returns late and so shortens `elapsed` (on a GPU it read as 155 % MFU): its speed is not reported
@@ -139,6 +150,7 @@ class TrainingLoop:
         self.profile.after_call(reached)
         if c.step == self.first:  # the first call compiled: the ETA counts from the calls after it
             restart_bar(self.bar, reached)
+        self.watchdog.beat(None if c.step == self.first else elapsed)  # a compile is no call time
         return True
 
     def record_call(self, c: DispatchedCall, skipped: int, probed: tuple[float, float] | None) -> None:
@@ -153,12 +165,24 @@ class TrainingLoop:
     def checkpoint_and_evaluate(self, saving: bool) -> None:
         run = self.run
         if self.at_eval():
-            with run.timeline.measure("eval", step=self.step):
+            unbounded = self.watchdog.paused() if run.cfg.train.eval_tasks else contextlib.nullcontext()
+            with run.timeline.measure("eval", step=self.step), unbounded:
                 self.evaluate(self.state["params"], self.step, self.bar)
         if saving:
             with save_errors(run.ckpt):
                 run.ckpt.save(self.step, self.state, run.train_iter,
                               {**run.meta, "data_rows": rows_consumed_or_none(run.train_iter, run.cfg.train.batch_size)})
+
+
+def watchdog_for(run: RunContext) -> Watchdog:
+    """The run's stall watchdog, its stacks file on a local disk (faulthandler writes to a file descriptor)."""
+    d, storage = run.cfg.distributed, run.cfg.storage
+    floor = d.stall_floor_seconds
+    if run.run_dir.remote:  # a faltering bucket is retried for this long, then reported in one line: not a stall
+        floor = max(floor, storage.retry_seconds + storage.request_timeout)
+    return Watchdog(run.run_dir.local / "logs" / f"stacks.{jax.process_index()}.txt",
+                    timeout=d.stall_timeout_seconds, floor=floor, process=jax.process_index(),
+                    processes=jax.process_count())
 
 
 def restart_bar(bar, step: int) -> None:

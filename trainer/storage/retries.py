@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import importlib.util
 import math
@@ -22,6 +23,9 @@ from typing import Iterator
 from errors import first_line, warn
 
 _retry = {"budget": 600.0, "since": None}  # the retry budget (seconds); when the current outage began
+# A request made while another one is being retried (the check whether a lost compose landed) gets what is left
+# of that one's budget, not a budget of its own: set in that request's asyncio task only.
+_budget_left: contextvars.ContextVar[float | None] = contextvars.ContextVar("budget_left", default=None)
 
 
 def retry_storage_for(budget: float, request_timeout: float) -> None:
@@ -60,26 +64,50 @@ def _budgeted(request):
     @functools.wraps(request)
     async def retried(self, *args, _took_effect=None, **kwargs):
         """`_took_effect`: for a request that must not be made twice (an append's compose), an async check,
-        asked before each retry, whether a failed attempt (its answer lost) was carried out after all."""
+        asked before each retry and before its failure is reported, whether a failed attempt (its answer lost)
+        was carried out after all: a record must never be both written and reported failed."""
         delay, started = 1.0, time.monotonic()
+        budget = _budget_left.get()
+        budget = _retry["budget"] if budget is None else budget
+        left = lambda: max(0.0, budget - (time.monotonic() - started))  # noqa: E731
         while True:
             try:
                 result = await request(self, *args, **kwargs)
             except Exception as e:  # noqa: BLE001 - what may be retried is gcsfs's own judgement
-                if not (is_retriable(e) and time.monotonic() - started < _retry["budget"]):
+                if not is_retriable(e):
+                    raise
+                if left() <= 0:
+                    if _took_effect is not None and await _landed(_took_effect, 0.0):  # one look, then the error
+                        _outage_ended()
+                        return LOST_ANSWER
                     raise
                 _outage_began(e)
-                await asyncio.sleep(min(delay, max(0.0, _retry["budget"] - (time.monotonic() - started)) + 0.1))
+                await asyncio.sleep(min(delay, left() + 0.1))
                 delay = min(2 * delay, 30.0) * (0.75 + 0.5 * random.random())
-                if _took_effect is not None and await _took_effect():
+                if _took_effect is not None and await _landed(_took_effect, left()):
                     _outage_ended()
-                    return 200, {}, None, b"{}"  # what `_call` unpacks; the response itself was lost
+                    return LOST_ANSWER
                 continue
             _outage_ended()
             return result
 
     retried.budgeted = True
     return retried
+
+
+LOST_ANSWER = (200, {}, None, b"{}")  # what gcsfs's `_call` unpacks for a request that landed, its answer lost
+
+
+async def _landed(took_effect, budget: float) -> bool:
+    """Whether the failed request was carried out, asked within `budget` seconds of retries; False when the
+    store cannot say (the request's own error is then reported)."""
+    token = _budget_left.set(budget)
+    try:
+        return await took_effect()
+    except Exception:  # noqa: BLE001 - no answer: the request's own error is the one to report
+        return False
+    finally:
+        _budget_left.reset(token)
 
 
 def retry_budget() -> float:

@@ -34,6 +34,8 @@ from trainer.storage.lock import RunDirLock
 from trainer.storage.retries import retry_storage_for
 
 
+TORN = "dropped a torn last line (a kill or a full disk during its write)"
+
 class RunDir:
     """The files of one training run (process 0 writes them; other processes only read)."""
 
@@ -61,11 +63,12 @@ class RunDir:
             self.path.mkdir(parents=True, exist_ok=True)
         self.check_writable()
 
-    def check_writable(self, subdir: str = "") -> None:
+    def check_writable(self, subdir: str = "", *, for_file: str | None = None) -> None:
         """Really writes a file (mkdir succeeds on an existing read-only directory; root ignores modes; on GCS
-        it succeeds in a bucket that does not exist)."""
+        it succeeds in a bucket that does not exist). A failure names the directory, or `for_file` in it (the
+        file the caller is about to write)."""
         directory = self.path / subdir if subdir else self.path
-        with storage_errors("write to", directory):
+        with storage_errors(*(("write", directory / for_file) if for_file else ("write to", directory))):
             directory.mkdir(parents=True, exist_ok=True)
             probe = directory / f".write-probe-{os.getpid()}"
             probe.write_text("")
@@ -133,16 +136,23 @@ class RunDir:
 
     def read_events(self, *, say_torn: bool = True) -> list[dict]:
         """events.jsonl's records (trainer/telemetry/timeline.py): every attempt's, never cut back by a resume. A torn
-        last line is left out (and said, unless `say_torn` is False: a reader before `open_events`, which says
-        it once when it repairs the file)."""
-        return self._load_jsonl(self.path / "events.jsonl", repair=True, say_torn=say_torn)[0]
+        last line is left out (and said, unless `say_torn` is False)."""
+        return self.load_events(say_torn=say_torn)[0]
 
-    def open_events(self, flush_every: float = 30.0) -> AppendLog:
+    def load_events(self, *, say_torn: bool = True) -> tuple[list[dict], bool]:
+        """(events.jsonl's records, whether a torn last line was left out)."""
+        return self._load_jsonl(self.path / "events.jsonl", repair=True, say_torn=say_torn)
+
+    def open_events(self, flush_every: float = 30.0, *, loaded: tuple[list[dict], bool] | None = None) -> AppendLog:
         """events.jsonl opened for appending; a torn last line (a kill during its write) is dropped from the
-        file first, as from metrics.jsonl."""
+        file first, as from metrics.jsonl, and said. `loaded`: the file as `load_events(say_torn=False)` read
+        it at start-up (the lock held since: nothing else writes it), so that a start reads it once."""
         path = self.path / "events.jsonl"
-        records, torn = self._load_jsonl(path, repair=True)
+        if loaded is None:
+            loaded = self.load_events(say_torn=False)
+        records, torn = loaded
         if torn:
+            warn(f"{path}: {TORN}")
             atomic_write(path, "".join(json.dumps(r) + "\n" for r in records))
         with storage_errors("write", path):
             return AppendLog(path, flush_every)
@@ -168,7 +178,7 @@ class RunDir:
             except ValueError:
                 if i == len(lines) - 1 and repair:
                     if say_torn:
-                        warn(f"{path}: dropped a torn last line (a kill or a full disk during its write)")
+                        warn(f"{path}: {TORN}")
                     return records, True
                 raise StorageError(f"{path}: line {i + 1} is not a JSON record; fix or remove the file") from None
         return records, False

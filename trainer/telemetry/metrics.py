@@ -33,6 +33,36 @@ def init_wandb(run_dir: RunDir, mode: str, *, project: str, name: str, run_id: s
                       config=config, settings=wandb.Settings(quiet=True))  # its summary tables: in the run
 
 
+class LossCurve:
+    """What loss.png draws: the training loss per step and the validation loss per evaluation, at most
+    MAX_POINTS points a series however long the run (when one is full, every other point goes and from then on
+    only every other new one is kept): a run's memory stays flat over millions of steps."""
+
+    MAX_POINTS = 4096
+
+    def __init__(self, records=()):
+        self.points: dict[str, list[tuple[int, float]]] = {"train": [], "val": []}
+        self.stride, self.seen = {"train": 1, "val": 1}, {"train": 0, "val": 0}
+        for record in records:
+            self.add(record)
+
+    def add(self, record: dict) -> None:
+        if record.get("loss") is not None:
+            self._add("train", record["step"], record["loss"])
+        if record.get("val_loss") is not None:
+            self._add("val", record["step"], record["val_loss"])
+
+    def _add(self, series: str, step: int, value: float) -> None:
+        self.seen[series] += 1
+        if (self.seen[series] - 1) % self.stride[series]:
+            return
+        points = self.points[series]
+        points.append((step, value))
+        if len(points) > self.MAX_POINTS:
+            points[:] = points[::2]
+            self.stride[series] *= 2
+
+
 class MetricsLogger:
     """Writes per-step and per-eval records. A no-op on every process but 0."""
 
@@ -40,13 +70,14 @@ class MetricsLogger:
                  rollbacks: int = 0):
         self.active = is_process_0()
         self.run_dir = run_dir
-        self.history: list[dict] = []
+        self.curve = LossCurve()
         self.wandb = None
         self.wandb_id = wandb_id
         if not self.active:
             return
         self.flush_every = config.storage.metrics_every
-        self.history, self.file = run_dir.open_metrics(start_step, rollbacks, self.flush_every)
+        history, self.file = run_dir.open_metrics(start_step, rollbacks, self.flush_every)
+        self.curve = LossCurve(history)
         self.wandb = init_wandb(run_dir, wandb_mode, project=config.log.project,
                                 name=config.log.run_name or run_dir.path.name, run_id=wandb_id,
                                 config=dataclasses.asdict(config))
@@ -56,7 +87,7 @@ class MetricsLogger:
         if not self.active:
             return
         self.run_dir.check_lock()  # never write on without holding the run directory
-        self.history.append(record)
+        self.curve.add(record)
         with storage_errors("write", self.run_dir / "metrics.jsonl"):
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
@@ -70,7 +101,8 @@ class MetricsLogger:
             return
         with storage_errors("write", self.run_dir / "metrics.jsonl"):
             self.file.close()
-        self.history, self.file = self.run_dir.open_metrics(step, rollbacks, self.flush_every)
+        history, self.file = self.run_dir.open_metrics(step, rollbacks, self.flush_every)
+        self.curve = LossCurve(history)
 
     def sync(self) -> None:
         """Makes every record logged so far durable (on cloud storage they are appended in batches): called
@@ -81,15 +113,14 @@ class MetricsLogger:
 
     def plot(self) -> None:
         """runs/<name>/loss.png: training loss per step and validation loss per evaluation."""
-        if not self.active or not self.history:
+        if not self.active or not any(self.curve.points.values()):
             return
         import matplotlib  # heavy (~0.5 s): imported only when there is a curve to draw
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        train = [(r["step"], r["loss"]) for r in self.history if r.get("loss") is not None]
-        val = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
+        train, val = self.curve.points["train"], self.curve.points["val"]
         fig, ax = plt.subplots(figsize=(7, 4))
         if train:
             ax.plot(*zip(*train), lw=0.8, label="train")

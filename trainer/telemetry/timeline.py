@@ -48,6 +48,7 @@ class Timeline:
     def __init__(self, run_dir=None, attempt: int = 1, flush_every: float = 30.0):
         self.run_dir, self.attempt, self.flush_every = run_dir, attempt, flush_every  # run_dir None: record nothing
         self.log = None  # events.jsonl's AppendLog, from `commit` on
+        self.loaded: tuple[list[dict], bool] | None = None  # events.jsonl as read at the start, until `commit`
         self.pending: list[str] = []
         self.started = process_start_time()
         self._compiling = float("inf")  # the start of the compilation under way (its tracing)
@@ -68,7 +69,8 @@ class Timeline:
     def commit(self) -> None:
         """From now on records go to events.jsonl (the ones kept so far first)."""
         if self.run_dir is not None and self.log is None:
-            self.log = self.run_dir.open_events(self.flush_every)
+            self.log = self.run_dir.open_events(self.flush_every, loaded=self.loaded)
+            self.loaded = None
             self._write()
 
     def _write(self) -> None:
@@ -162,9 +164,10 @@ def open_timeline(run_dir, entered: float, joined: float, flush_every: float = 3
     elsewhere a timeline that records nothing."""
     if not is_process_0():
         return Timeline()
-    records = run_dir.read_events(say_torn=False)  # commit's open_events repairs a torn line and says so
-    timeline = Timeline(run_dir, attempt=1 + sum(r.get("event") == "attempt_start" for r in records),
+    loaded = run_dir.load_events(say_torn=False)  # read once: commit's open_events repairs a torn line, says so
+    timeline = Timeline(run_dir, attempt=1 + sum(r.get("event") == "attempt_start" for r in loaded[0]),
                         flush_every=flush_every)
+    timeline.loaded = loaded
     timeline.begin()
     timeline.interval("startup", timeline.started, entered)
     timeline.interval("distributed_init", entered, joined)
