@@ -88,7 +88,7 @@ def step_times(metrics_path: Path) -> list[tuple[int, float]]:
     out = []
     for line in metrics_path.read_text().splitlines():
         r = json.loads(line)
-        if "tokens_per_s" in r:
+        if r.get("tokens_per_s"):  # null for the first call (its time holds the first load)
             out.append((r["step"], r["tokens"] / r["step"] / r["tokens_per_s"]))  # tokens / step = B × T
     return out
 

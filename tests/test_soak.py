@@ -32,7 +32,7 @@ def test_the_windows_are_medians_after_the_warmup_and_at_the_end():
 
 def test_a_step_takes_its_calls_tokens_over_its_rate(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text('{"step": 1, "tokens": 1024, "tokens_per_s": 512.0}\n{"step": 1, "val_loss": 5.0}\n'
+    metrics.write_text('{"step": 0, "tokens": 0, "tokens_per_s": null}\n{"step": 1, "tokens": 1024, "tokens_per_s": 512.0}\n{"step": 1, "val_loss": 5.0}\n'
                        '{"step": 2, "tokens": 2048, "tokens_per_s": 2048.0}\n')
     assert soak.step_times(metrics) == [(1, 2.0), (2, 0.5)]
 
