@@ -82,30 +82,19 @@ def _tpu_vm(job: Job) -> Plan:
     nodes = f"--node-id={w.name}" if job.num_slices == 1 else f"--node-count={job.num_slices} --node-prefix={w.name}"
     create = (f"gcloud compute tpus queued-resources create {w.name} {nodes} {_gcloud_where(w)}"
               f" --accelerator-type={s.accelerator_type} --runtime-version={runtime}{' --spot' if job.spot else ''}")
-    return Plan(files={}, create=(create,), ready=state_command(w),
-                install=tuple(_ssh(w, node, job.install_command()) for node in _nodes(job)),
-                start=tuple(_ssh(w, node, _megascale(job, i) + job.train_command())
-                            for i, node in enumerate(_nodes(job))))
+    return Plan(files={}, create=(create,), ready=state_command(w), install=(_ssh(job, job.install_command()),),
+                start=(_ssh(job, job.train_command()),))
 
 
-def _nodes(job: Job) -> list[str]:
-    """A queued resource's TPU VMs: the one node, or <name>-0, <name>-1, ... for --node-count."""
-    return [job.name] if job.num_slices == 1 else [f"{job.name}-{i}" for i in range(job.num_slices)]
-
-
-def _ssh(w: Where, node: str, command: str) -> str:
-    # --worker=all: every host of the slice runs it, in parallel; the ssh ends when all of them have
-    return f"gcloud compute tpus tpu-vm ssh {node} {_gcloud_where(w)} --worker=all --command={q(command)}"
-
-
-def _megascale(job: Job, slice_id: int) -> str:
-    """Multislice: the slices meet at slice 0's first host over the data-center network."""
+def _ssh(job: Job, command: str) -> str:
+    """The command on every host at once (--worker=all; the ssh ends when all of them have). Several slices:
+    the queued resource's ssh reaches every node (--node=all), and each VM's TPU environment tells JAX its
+    slice (the MEGASCALE_* settings), so the command is the same everywhere."""
+    w = job.where
     if job.num_slices == 1:
-        return ""
-    head = (f"$(gcloud compute tpus tpu-vm describe {job.name}-0 {_gcloud_where(job.where)}"
-            " --format='value(networkEndpoints[0].ipAddress)')")
-    return (f"export MEGASCALE_COORDINATOR_ADDRESS={head} MEGASCALE_NUM_SLICES={job.num_slices}"
-            f" MEGASCALE_SLICE_ID={slice_id}; ")
+        return f"gcloud compute tpus tpu-vm ssh {w.name} {_gcloud_where(w)} --worker=all --command={q(command)}"
+    return (f"gcloud compute tpus queued-resources ssh {w.name} {_gcloud_where(w)} --node=all --worker=all"
+            f" --command={q(command)}")
 
 
 # ---- xpk and jobset (GKE) ---------------------------------------------------------------------------
@@ -125,7 +114,8 @@ def _xpk(job: Job) -> Plan:
 
 def _jobset(job: Job) -> Plan:
     manifest = f"{job.name}.yaml"
-    return Plan(files={manifest: jobset_manifest(job)}, create=(_credentials(job.where),), ready=None, install=(),
+    credentials = (_credentials(job.where),) if job.where.cluster else ()  # else: kubectl's current context
+    return Plan(files={manifest: jobset_manifest(job)}, create=credentials, ready=None, install=(),
                 start=(f"kubectl apply -f {q(str(job.workdir / manifest))}",))
 
 
