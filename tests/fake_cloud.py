@@ -24,9 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-HOSTS = {"v4-16": 2, "v4-8": 1, "v5litepod-16": 4, "v5litepod-8": 1}  # accelerator type -> hosts
+HOSTS = {"v4-16": 2, "v4-8": 1, "v5litepod-16": 4, "v5litepod-8": 1}  # accelerator type -> hosts (its own table)
 CHIPS_PER_HOST = {"v4-16": 4, "v4-8": 4, "v5litepod-16": 4, "v5litepod-8": 8}
-TOOLS = ("gcloud", "xpk", "kubectl", "sbatch", "squeue", "sacct", "scancel")
+TOOLS = ("gcloud", "xpk", "kubectl", "sbatch", "squeue", "sacct", "scancel", "srun", "scontrol")
 
 
 class FakeCloud:
@@ -173,11 +173,9 @@ def _ssh(root: Path, node: str, argv: list[str]) -> int:
     for i in workers:
         home = root / "vms" / f"{node}-{qr['created']}" / f"worker-{i}"
         home.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FAKE_CLOUD_DIR")}
-        env.update(HOME=str(home), PATH=f"{root / 'image'}:{env['PATH']}", TPU_WORKER_ID=str(i),
-                   TPU_WORKER_HOSTNAMES=",".join(["127.0.0.1"] * qr["hosts"]), JAX_COORDINATOR_PORT=str(qr["port"]),
-                   JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={qr['chips']}",
-                   FAKE_CLOUD_ROOT=str(root))
+        env = _host_env(root, home, qr["chips"])
+        env.update(TPU_WORKER_ID=str(i), TPU_WORKER_HOSTNAMES=",".join(["127.0.0.1"] * qr["hosts"]),
+                   JAX_COORDINATOR_PORT=str(qr["port"]))
         with open(root / "workers.jsonl", "a") as f:
             f.write(json.dumps({"node": node, "worker": i, "command": command, "slice": qr["created"]}) + "\n")
         procs.append(subprocess.Popen(["bash", "-c", command], cwd=home, env=env, start_new_session=True,
@@ -209,24 +207,113 @@ def python3(root: Path, argv: list[str]) -> int:
     os.execv(sys.executable, [sys.executable, *argv])
 
 
-# ---- GKE and Slurm: recorded; a submitted job is running until the test says otherwise --------------
+# ---- GKE and Slurm: a submitted job's hosts run in the background; its state is kept in jobs.json ------
 
 
-def recorded(root: Path, tool: str, argv: list[str]) -> int:
-    jobs = root / "jobs.json"
-    state = json.loads(jobs.read_text()) if jobs.exists() else {}
+def _jobs(root: Path) -> dict:
+    path = root / "jobs.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _set_job(root: Path, name: str, value: str) -> None:
+    with _locked(root):  # the same lock as the slices'
+        jobs = _jobs(root)
+        jobs[name] = value
+        (root / "jobs.json").write_text(json.dumps(jobs))
+
+
+def _submit(root: Path, name: str, hosts: int, chips: int, command: str, kind: str) -> None:
+    """Runs `command` on `hosts` local hosts in a detached process that records the job's end state."""
+    _set_job(root, name, "RUNNING" if kind == "slurm" else "")
+    spec = json.dumps({"name": name, "hosts": hosts, "chips": chips, "command": command, "kind": kind})
+    subprocess.Popen([sys.executable, __file__, "_job", spec], env={**os.environ, "FAKE_CLOUD_DIR": str(root)},
+                     start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _job(root: Path, spec: dict) -> int:
+    """A job's hosts (GKE pods with TPU_WORKER_ID / TPU_WORKER_HOSTNAMES; Slurm's batch script, whose srun
+    starts one task per node with SLURM_PROCID / SLURM_NTASKS), then its end state."""
+    n, port = spec["hosts"], _free_port()
+    slurm = spec["kind"] == "slurm"
+    workers = [0] if slurm else list(range(n))  # slurm: the batch script on the first node; srun does the rest
+    procs = []
+    for i in workers:
+        home = root / "pods" / f"{spec['name']}-{time.time_ns()}" / f"host-{i}"
+        home.mkdir(parents=True)
+        env = _host_env(root, home, spec["chips"])
+        if slurm:
+            env.update(SLURM_JOB_ID=str(port - 10000), SLURM_JOB_NODELIST="node[1-%d]" % n, SLURM_NNODES=str(n),
+                       SLURM_SUBMIT_DIR=str(home))
+        else:
+            env.update(TPU_WORKER_ID=str(i), TPU_WORKER_HOSTNAMES=",".join(["127.0.0.1"] * n),
+                       JAX_COORDINATOR_PORT=str(port))
+            with open(root / "workers.jsonl", "a") as f:  # (slurm's tasks are recorded by srun)
+                f.write(json.dumps({"node": spec["name"], "worker": i, "command": spec["command"], "slice": port})
+                        + "\n")
+        log = open(home / "out.log", "w")
+        procs.append(subprocess.Popen(["bash", "-c", spec["command"]], cwd=home, env=env, stdout=log,
+                                      stderr=subprocess.STDOUT))
+    ok = all(p.wait() == 0 for p in procs)
+    _set_job(root, spec["name"], ("COMPLETED" if ok else "FAILED") if slurm else ("Completed" if ok else "Failed"))
+    return 0
+
+
+def _host_env(root: Path, home: Path, chips: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FAKE_CLOUD_DIR")}
+    env.update(HOME=str(home), PATH=f"{root / 'image'}:{root / 'bin'}:{env['PATH']}", JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={chips}", FAKE_CLOUD_ROOT=str(root))
+    return env
+
+
+def srun(root: Path, argv: list[str]) -> int:
+    """One task per node of the job, each with its SLURM_PROCID, sharing the batch script's directory."""
+    n = int(os.environ["SLURM_NNODES"])
+    command = argv[argv.index("-c") + 1]
+    procs = []
+    for i in range(n):
+        env = {**os.environ, "SLURM_PROCID": str(i), "SLURM_NTASKS": str(n), "SLURM_NODEID": str(i)}
+        with open(root / "workers.jsonl", "a") as f:
+            f.write(json.dumps({"node": "srun", "worker": i, "command": command,
+                                "slice": os.environ["SLURM_JOB_ID"]}) + "\n")
+        procs.append(subprocess.Popen(["bash", "-c", command], env=env))
+    return max(p.wait() for p in procs)
+
+
+def gke_and_slurm(root: Path, tool: str, argv: list[str]) -> int:
+    jobs = _jobs(root)
     if tool == "kubectl" and argv[:2] == ["get", "jobset"]:
-        if argv[2] not in state:
+        if argv[2] not in jobs:
+            print(f'Error from server (NotFound): jobsets "{argv[2]}" not found', file=sys.stderr)
             return 1
-        print(state[argv[2]], end="")
+        print(jobs[argv[2]], end="")
+    elif tool == "kubectl" and argv[:1] == ["apply"]:
+        import yaml
+
+        js = yaml.safe_load(Path(argv[-1]).read_text())
+        job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+        container = job["template"]["spec"]["containers"][0]
+        _submit(root, js["metadata"]["name"], job["parallelism"], container["resources"]["limits"]["google.com/tpu"],
+                container["command"][-1], "gke")
+    elif tool == "xpk" and argv[:2] == ["workload", "create"]:
+        kind = _flag(argv, "tpu-type")
+        _submit(root, _flag(argv, "workload"), HOSTS[kind], CHIPS_PER_HOST[kind], _flag(argv, "command"), "gke")
+    elif tool == "sbatch":
+        script = Path(argv[-1]).read_text()
+        name = re.search(r"--job-name=(\S+)", script).group(1)
+        nodes = int(re.search(r"--nodes=(\d+)", script).group(1))
+        gpus = int(re.search(r"--gpus-per-node=(\d+)", script).group(1))
+        _submit(root, name, nodes, gpus, script, "slurm")
+        print(len(jobs) + 1)
     elif tool == "squeue":
-        name = _flag(argv, "n") or argv[argv.index("-n") + 1]
-        print(state.get(name, ""))
-    elif tool in ("xpk", "kubectl", "sbatch") and re.search(r"create|apply|parsable", " ".join(argv)):
-        name = _flag(argv, "workload") or Path(argv[-1]).stem
-        state[name] = "" if tool != "sbatch" else "RUNNING"
-        print("1234" if tool == "sbatch" else "created")
-    jobs.write_text(json.dumps(state))
+        state = jobs.get(argv[argv.index("-n") + 1], "")
+        print(state if state in ("RUNNING", "PENDING") else "", end="")
+    elif tool == "sacct":
+        print(jobs.get(_flag(argv, "name"), ""))
+    elif tool == "scontrol":  # show hostnames NODELIST: every node is this machine
+        print("\n".join(["127.0.0.1"] * int(os.environ.get("SLURM_NNODES", "1"))))
+    elif tool in ("xpk", "kubectl", "scancel"):  # delete: forget the job
+        jobs.pop(_flag(argv, "workload") or _flag(argv, "name") or argv[2], None)
+        (root / "jobs.json").write_text(json.dumps(jobs))
     return 0
 
 
@@ -235,9 +322,13 @@ def main() -> int:
     root = Path(os.environ.get("FAKE_CLOUD_DIR") or os.environ.get("FAKE_CLOUD_ROOT", "."))
     if tool == "python3":
         return python3(root, argv)
+    if tool == "_job":
+        return _job(root, json.loads(argv[0]))
     with open(root / "calls.jsonl", "a") as f:
         f.write(json.dumps({"argv": [tool, *argv], "time": time.time()}) + "\n")
-    return gcloud(root, argv) if tool == "gcloud" else recorded(root, tool, argv)
+    if tool == "srun":
+        return srun(root, argv)
+    return gcloud(root, argv) if tool == "gcloud" else gke_and_slurm(root, tool, argv)
 
 
 if __name__ == "__main__":

@@ -156,14 +156,16 @@ def trained_on_every_host(cloud: FakeCloud, hosts: int) -> bool:
 
 # ---- end to end on a simulated pod -------------------------------------------------------------------
 
-RUN = [*SMALL, "--train.steps=200", "--train.eval_every=0", "--checkpoint.every=8", "--mesh.fsdp=2"]
+RUN = [*SMALL, "--train.steps=64", "--train.eval_every=0", "--checkpoint.every=8", "--mesh.fsdp=2"]
+SHORT = [*RUN, "--train.steps=8"]  # its first 8 steps: one learning-rate schedule for any length (SMALL)
 
 
-def launch_on_fake_pod(cloud, run_dir, shakespeare, *flags):
+def launch_on_fake_pod(cloud, run_dir, shakespeare, *flags, run=RUN):
     """tools.pod launch on a 2-host v4-16 (4 chips each) of the fake cloud; hosts clone this checkout."""
-    cmd = [sys.executable, "-m", "tools.pod", "launch", "--topology", "v4-16", "--name", "pod", *WHERE,
+    topology = [] if "--topology" in flags else ["--topology", "v4-16"]
+    cmd = [sys.executable, "-m", "tools.pod", "launch", *topology, "--name", "pod", *WHERE, "--cluster", "c",
            "--run_dir", str(run_dir), "--shared_fs", "--repo", str(ROOT), "--workdir", str(cloud.root / "w"),
-           "--poll_seconds", "0.5", *flags, "--", f"--data.cache_dir={shakespeare}", *RUN]
+           "--poll_seconds", "0.5", *flags, "--", f"--data.cache_dir={shakespeare}", *run]
     env = {**cloud.env(), "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -184,13 +186,13 @@ def reference(tmp_path_factory, shakespeare):
 @pytest.mark.slow
 def test_a_two_host_launch_compiles_first_and_trains_to_the_end(tmp_path, shakespeare, reference):
     cloud = FakeCloud(tmp_path / "cloud")
-    proc = launch_on_fake_pod(cloud, tmp_path / "run", shakespeare)
+    proc = launch_on_fake_pod(cloud, tmp_path / "run", shakespeare, run=SHORT)
     out = proc.communicate(timeout=900)[0]
     assert proc.returncode == 0, out[-4000:]
     assert "v4-16: 8 chips, 2 hosts of 4" in out and "AOT compile for v4:2x2x2" in out and "fits in HBM" in out
     assert "pod: the run finished" in out
     assert trained_on_every_host(cloud, hosts=2)
-    np.testing.assert_allclose(losses(tmp_path / "run"), losses(reference), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(losses(tmp_path / "run"), losses(reference)[:8], rtol=0, atol=1e-5)
     commands = [" ".join(c[:5]) for c in cloud.calls()]
     assert commands.count("gcloud compute tpus queued-resources create") == 1
     assert (cloud.root / "pip.log").read_text().count("-e .[tpu,gcs]") == 2  # the install, on each host
@@ -222,3 +224,19 @@ def test_a_preempted_slice_is_recreated_and_the_run_resumes_exactly(tmp_path, sh
     last_of_first = max(r.get("end", r.get("time", 0)) for r in records if r.get("attempt") == 1)
     assert last_of_first < relaunch["time"] < second["time"]
     assert report.seconds["restart_gap"] == pytest.approx(second["time"] - last_of_first)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target, topology", [("xpk", "v4-16"), ("jobset", "v4-16"), ("slurm", "gpu-8")])
+def test_xpk_jobset_and_slurm_launches_train_on_every_host_to_the_end(tmp_path, shakespeare, reference, target,
+                                                                      topology):
+    """GKE pods (TPU_WORKER_ID / TPU_WORKER_HOSTNAMES) and Slurm tasks (SLURM_PROCID, srun one per node): 2 hosts
+    of 4 devices, 8 steps, the first 8 losses of the reference (one learning-rate schedule for any length)."""
+    cloud = FakeCloud(tmp_path / "cloud")
+    proc = launch_on_fake_pod(cloud, tmp_path / "run", shakespeare, "--target", target, "--topology", topology,
+                              "--gpus_per_node", "4", "--skip_aot", run=SHORT)
+    out = proc.communicate(timeout=900)[0]
+    assert proc.returncode == 0, out[-4000:]
+    assert "pod: the run finished" in out
+    assert trained_on_every_host(cloud, hosts=2)
+    np.testing.assert_allclose(losses(tmp_path / "run"), losses(reference)[:8], rtol=0, atol=1e-5)

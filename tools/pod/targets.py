@@ -183,6 +183,7 @@ def sbatch_script(job: Job) -> str:
 #SBATCH --output={job.name}-%j.log
 cd "$SLURM_SUBMIT_DIR"
 ( {job.install_command()} ) || exit 1
-export JAX_COORDINATOR_ADDRESS=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1):12355
+# the first node coordinates, on a port of this job's own (two jobs may share a node)
+export JAX_COORDINATOR_ADDRESS=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1):$((10000 + SLURM_JOB_ID % 50000))
 srun --ntasks-per-node=1 bash -c {q(job.train_command())}
 """
