@@ -240,3 +240,16 @@ def test_xpk_jobset_and_slurm_launches_train_on_every_host_to_the_end(tmp_path, 
     assert "pod: the run finished" in out
     assert trained_on_every_host(cloud, hosts=2)
     np.testing.assert_allclose(losses(tmp_path / "run"), losses(reference)[:8], rtol=0, atol=1e-5)
+
+
+def test_the_docs_show_what_the_launcher_prints(monkeypatch):
+    """docs/pods.md's manual commands are the dry run of its first launch command (the commit aside)."""
+    import re
+
+    page = (ROOT / "docs" / "pods.md").read_text()
+    command = next(line for line in page.splitlines() if line.startswith("python -m tools.pod launch"))
+    shown = page.split("```text\n", 1)[1].split("```", 1)[0]
+    code, out, err = run_main(pod_main, *command.split()[3:])
+    assert code == 0, err
+    out = re.sub(r"[0-9a-f]{40}", "<commit>", re.sub(r"install [0-9a-f]{12}", "install <commit>", out))
+    assert out == shown

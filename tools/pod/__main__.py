@@ -19,10 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb == "status":
         return shell(state_command(where(args))).returncode
     job = job_of(args)
-    print(f"{job.slice.describe()}" + (f" x {job.num_slices} slices" if job.num_slices > 1 else ""), flush=True)
     if args.dry_run:
         print_plan(job)
         return 0
+    print(f"{job.slice.describe()}" + (f" x {job.num_slices} slices" if job.num_slices > 1 else ""), flush=True)
     if not args.skip_aot and not args.attach and job.slice.is_tpu:
         check_fits(job)
     return keep(job, attach=args.attach)
