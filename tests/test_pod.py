@@ -253,3 +253,31 @@ def test_the_docs_show_what_the_launcher_prints(monkeypatch):
     assert code == 0, err
     out = re.sub(r"[0-9a-f]{40}", "<commit>", re.sub(r"install [0-9a-f]{12}", "install <commit>", out))
     assert out == shown
+
+
+def test_status_and_delete_reach_what_launch_created(tmp_path, monkeypatch):
+    cloud = FakeCloud(tmp_path)
+    monkeypatch.setenv("PATH", cloud.env()["PATH"])
+    monkeypatch.setenv("FAKE_CLOUD_DIR", str(cloud.root))
+    subprocess.run(["gcloud", "compute", "tpus", "queued-resources", "create", "pod", "--accelerator-type=v4-16"],
+                   check=True)
+    status = subprocess.run([sys.executable, "-m", "tools.pod", "status", "--name", "pod", *WHERE], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert status.returncode == 0 and status.stdout.strip().endswith("ACTIVE")
+    code, out, _ = run_main(pod_main, "delete", "--name", "pod", *WHERE)
+    assert code == 0 and "pod" not in cloud.state()
+    assert cloud.calls()[-1][:5] == ["gcloud", "compute", "tpus", "queued-resources", "delete"]
+
+
+@pytest.mark.slow
+def test_a_program_that_does_not_fit_is_refused_before_anything_is_created(tmp_path, monkeypatch):
+    """The default AOT check: 1.6 B parameters and their Adam moments on every v5e chip (26 GiB of 16)."""
+    cloud = FakeCloud(tmp_path / "cloud")
+    monkeypatch.setenv("PATH", cloud.env()["PATH"])
+    monkeypatch.setenv("FAKE_CLOUD_DIR", str(cloud.root))
+    code, out, err = run_main(pod_main, "launch", "--topology", "v5e-8", "--run_dir", "gs://b/r", *WHERE, *PINNED[:4],
+                              "--workdir", str(tmp_path / "w"), "--", "--config", "gpt2_124m", "--model.n_layer=8",
+                              "--model.n_embd=4096", "--model.n_head=32", "--model.scan_layers=true",
+                              "--mesh.rules=dp")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "does not fit in HBM" in err, err
+    assert cloud.calls() == [] and not (tmp_path / "w").exists()
