@@ -30,8 +30,9 @@ TOOLS = ("gcloud", "xpk", "kubectl", "sbatch", "squeue", "sacct", "scancel", "sr
 
 
 class FakeCloud:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, devices_per_host: int | None = None):
         self.root = Path(root)
+        self.devices_per_host = devices_per_host  # CPU devices per host (default: one per chip)
         self.bin = self.root / "bin"
         self.bin.mkdir(parents=True, exist_ok=True)
         for tool in TOOLS:
@@ -42,7 +43,8 @@ class FakeCloud:
 
     def env(self, base: dict | None = None) -> dict:
         base = dict(os.environ if base is None else base)
-        return {**base, "PATH": f"{self.bin}:{base['PATH']}", "FAKE_CLOUD_DIR": str(self.root)}
+        devices = {"FAKE_CLOUD_DEVICES": str(self.devices_per_host)} if self.devices_per_host else {}
+        return {**base, "PATH": f"{self.bin}:{base['PATH']}", "FAKE_CLOUD_DIR": str(self.root), **devices}
 
     def calls(self) -> list[list[str]]:
         return [json.loads(line)["argv"] for line in _lines(self.root / "calls.jsonl")]
@@ -79,8 +81,9 @@ def _load(root: Path) -> dict:
 class _locked:
     """The cloud's state, read and written under a file lock (ssh sessions and the test change it at once)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, devices_per_host: int | None = None):
         self.root = Path(root)
+        self.devices_per_host = devices_per_host  # CPU devices per host (default: one per chip)
 
     def __enter__(self) -> dict:
         self.lock = open(self.root / "state.lock", "w")
@@ -261,7 +264,8 @@ def _job(root: Path, spec: dict) -> int:
 def _host_env(root: Path, home: Path, chips: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FAKE_CLOUD_DIR")}
     env.update(HOME=str(home), PATH=f"{root / 'image'}:{root / 'bin'}:{env['PATH']}", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={chips}", FAKE_CLOUD_ROOT=str(root))
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={os.environ.get('FAKE_CLOUD_DEVICES', chips)}",
+               FAKE_CLOUD_ROOT=str(root))
     return env
 
 

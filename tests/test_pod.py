@@ -200,7 +200,7 @@ def test_a_two_host_launch_compiles_first_and_trains_to_the_end(tmp_path, shakes
 
 @pytest.mark.slow
 def test_a_preempted_slice_is_recreated_and_the_run_resumes_exactly(tmp_path, shakespeare, reference):
-    cloud = FakeCloud(tmp_path / "cloud")
+    cloud = FakeCloud(tmp_path / "cloud", devices_per_host=1)  # the lightest 2-process job: 1 device each
     run_dir = tmp_path / "run"
     proc = launch_on_fake_pod(cloud, run_dir, shakespeare, "--skip_aot", "--retries", "2")
     deadline = time.time() + 600
@@ -231,8 +231,8 @@ def test_a_preempted_slice_is_recreated_and_the_run_resumes_exactly(tmp_path, sh
 def test_xpk_jobset_and_slurm_launches_train_on_every_host_to_the_end(tmp_path, shakespeare, reference, target,
                                                                       topology):
     """GKE pods (TPU_WORKER_ID / TPU_WORKER_HOSTNAMES) and Slurm tasks (SLURM_PROCID, srun one per node): 2 hosts
-    of 4 devices, 8 steps, the first 8 losses of the reference (one learning-rate schedule for any length)."""
-    cloud = FakeCloud(tmp_path / "cloud")
+    of 1 device, 8 steps, the first 8 losses of the reference (one learning-rate schedule for any length)."""
+    cloud = FakeCloud(tmp_path / "cloud", devices_per_host=1)
     proc = launch_on_fake_pod(cloud, tmp_path / "run", shakespeare, "--target", target, "--topology", topology,
                               "--gpus_per_node", "4", "--skip_aot", run=SHORT)
     out = proc.communicate(timeout=900)[0]
