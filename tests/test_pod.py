@@ -281,3 +281,19 @@ def test_a_program_that_does_not_fit_is_refused_before_anything_is_created(tmp_p
                               "--mesh.rules=dp")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "does not fit in HBM" in err, err
     assert cloud.calls() == [] and not (tmp_path / "w").exists()
+
+
+def test_the_goodput_report_counts_a_relaunch_gap_from_the_last_record_of_the_dead_attempt():
+    """The launcher's `relaunch` record sits between the attempts; the restart gap still runs from the dead
+    attempt's last record to the next attempt's start (the relaunch's own time does not end it)."""
+    records = [
+        {"event": "attempt_start", "attempt": 1, "time": 0.0},
+        {"event": "train_call", "attempt": 1, "first": 0, "steps": 2, "seconds": 2.0, "skipped": 0, "start": 1.0,
+         "end": 3.0},
+        {"event": "relaunch", "time": 10.0, "number": 1, "reason": "the slice is gone"},
+        {"event": "attempt_start", "attempt": 2, "time": 30.0},
+        {"event": "attempt_end", "attempt": 2, "time": 31.0, "how": "finished"},
+    ]
+    report = goodput.report(records)
+    assert report.seconds["restart_gap"] == 27.0 and report.relaunches == 1 and report.wall == 31.0
+    assert "1 relaunch(es) by tools.pod" in report.text().splitlines()[0]
