@@ -64,6 +64,11 @@ class FakeCloud:
                 _kill_group(pid)
 
 
+    def kill_worker(self, name: str, worker: int) -> None:
+        """Kills one host's latest command (kill -9), the slice staying ACTIVE: a crashed process."""
+        _kill_group(self.state()[name]["latest"][str(worker)])
+
+
 def _script(path: Path, body: str) -> None:
     path.write_text("#!/bin/sh\n" + body)
     path.chmod(0o755)
@@ -186,6 +191,7 @@ def _ssh(root: Path, node: str, argv: list[str]) -> int:
     with _locked(root) as state:
         if node in state:
             state[node]["pids"] += [p.pid for p in procs]
+            state[node]["latest"] = {str(i): p.pid for i, p in zip(workers, procs)}  # this ssh's, by worker
     codes = [_relay(p, i) for p, i in zip(procs, workers)]
     return next((255 if c < 0 else c for c in codes if c != 0), 0)  # ssh: 255 when the connection is lost
 
