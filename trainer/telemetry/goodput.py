@@ -55,7 +55,8 @@ class Report:
     def summary(self) -> dict[str, float]:
         """Flat figures for wandb's run summary."""
         figures = {"goodput/goodput": self.goodput, "goodput/wall_s": self.wall,
-                   "goodput/lost_steps": self.lost_steps, "goodput/attempts": len(self.attempts)}
+                   "goodput/lost_steps": self.lost_steps, "goodput/attempts": len(self.attempts),
+                   "goodput/relaunches": self.relaunches}
         figures.update({f"goodput/{name}_s": value for name, value in self.seconds.items()})
         return figures
 
