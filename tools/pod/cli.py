@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from errors import ConfigError, fail
+from errors import ConfigError, fail, warn
 from tools.pod.job import Job, Where
 from tools.pod.targets import TARGETS, plan
 from tools.pod.topology import parse_topology
@@ -131,6 +131,8 @@ def head_commit() -> str:
     commit = git("rev-parse", "HEAD")
     if not commit:
         raise ConfigError(f"{ROOT} is not a git checkout: give --commit and --repo")
+    if git("status", "--porcelain", "--untracked-files=no"):  # the hosts clone; local edits stay here
+        warn(f"{ROOT} has uncommitted changes: the hosts install {commit[:12]} without them")
     return commit
 
 
