@@ -307,3 +307,23 @@ def test_the_goodput_report_counts_a_relaunch_gap_from_the_last_record_of_the_de
     report = goodput.report(records)
     assert report.seconds["restart_gap"] == 27.0 and report.relaunches == 1 and report.wall == 31.0
     assert "1 relaunch(es) by tools.pod" in report.text().splitlines()[0]
+
+
+def test_attach_polls_a_running_job_without_creating_anything(tmp_path, monkeypatch):
+    """`launch --attach` (after a Ctrl-C) only polls: here the slice is ACTIVE and the run's last attempt has
+    ended finished, so it reports the end without a create, an install or a start."""
+    cloud = FakeCloud(tmp_path / "cloud")
+    monkeypatch.setenv("PATH", cloud.env()["PATH"])
+    monkeypatch.setenv("FAKE_CLOUD_DIR", str(cloud.root))
+    subprocess.run(["gcloud", "compute", "tpus", "queued-resources", "create", "pod", "--accelerator-type=v4-16"],
+                   check=True)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "events.jsonl").write_text(json.dumps({"event": "attempt_start", "attempt": 1, "time": 1.0}) + "\n"
+                                          + json.dumps({"event": "attempt_end", "attempt": 1, "time": 2.0,
+                                                        "how": "finished"}) + "\n")
+    code, out, err = run_main(pod_main, "launch", "--attach", "--topology", "v4-16", "--name", "pod", *WHERE,
+                              "--run_dir", str(run_dir), "--shared_fs", *PINNED[:4], "--workdir",
+                              str(tmp_path / "w"), "--poll_seconds", "0.1")
+    assert code == 0 and "pod: the run finished" in out, err
+    assert [c[4] for c in cloud.calls()] == ["create", "describe"]  # the test's create, the launcher's poll
