@@ -170,7 +170,8 @@ def launch_on_fake_pod(cloud, run_dir, shakespeare, *flags, run=RUN):
     cmd = [sys.executable, "-m", "tools.pod", "launch", *topology, "--name", "pod", *WHERE, "--cluster", "c",
            "--run_dir", str(run_dir), "--shared_fs", "--repo", str(ROOT), "--workdir", str(cloud.root / "w"),
            "--poll_seconds", "0.5", *flags, "--", f"--data.cache_dir={shakespeare}", *run]
-    env = {**cloud.env(), "PYTHONPATH": str(ROOT)}
+    env = {**cloud.env(), "PYTHONPATH": str(ROOT), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}  # the AOT check beside
+    # another user of libtpu on this machine (as tests/test_aot.py)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -285,6 +286,7 @@ def test_a_program_that_does_not_fit_is_refused_before_anything_is_created(tmp_p
     cloud = FakeCloud(tmp_path / "cloud")
     monkeypatch.setenv("PATH", cloud.env()["PATH"])
     monkeypatch.setenv("FAKE_CLOUD_DIR", str(cloud.root))
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold libtpu's lock file
     code, out, err = run_main(pod_main, "launch", "--topology", "v5e-8", "--run_dir", "gs://b/r", *WHERE, *PINNED[:4],
                               "--workdir", str(tmp_path / "w"), "--", "--config", "gpt2_124m", "--model.n_layer=8",
                               "--model.n_embd=4096", "--model.n_head=32", "--model.scan_layers=true",
