@@ -251,7 +251,7 @@ def _job(root: Path, spec: dict) -> int:
         home.mkdir(parents=True)
         env = _host_env(root, home, spec["chips"])
         if slurm:
-            env.update(SLURM_JOB_ID=str(port - 10000), SLURM_JOB_NODELIST="node[1-%d]" % n, SLURM_NNODES=str(n),
+            env.update(SLURM_JOB_ID=str(port - 10000), SLURM_JOB_NODELIST=f"node[1-{n}]", SLURM_NNODES=str(n),
                        SLURM_SUBMIT_DIR=str(home))
         else:
             env.update(TPU_WORKER_ID=str(i), TPU_WORKER_HOSTNAMES=",".join(["127.0.0.1"] * n),
@@ -259,9 +259,9 @@ def _job(root: Path, spec: dict) -> int:
             with open(root / "workers.jsonl", "a") as f:  # (slurm's tasks are recorded by srun)
                 f.write(json.dumps({"node": spec["name"], "worker": i, "command": spec["command"], "slice": port})
                         + "\n")
-        log = open(home / "out.log", "w")
-        procs.append(subprocess.Popen(["bash", "-c", spec["command"]], cwd=home, env=env, stdout=log,
-                                      stderr=subprocess.STDOUT))
+        with open(home / "out.log", "w") as log:
+            procs.append(subprocess.Popen(["bash", "-c", spec["command"]], cwd=home, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT))
     ok = all(p.wait() == 0 for p in procs)
     _set_job(root, spec["name"], ("COMPLETED" if ok else "FAILED") if slurm else ("Completed" if ok else "Failed"))
     return 0

@@ -18,10 +18,10 @@ import time
 
 import numpy as np
 import pytest
+from fake_cloud import FakeCloud
 
 import train as train_app
 from conftest import ROOT, SMALL, read_jsonl, run_main
-from fake_cloud import FakeCloud
 from tools.pod.__main__ import main as pod_main
 from tools.pod.host import job_env
 from tools.pod.topology import parse_topology
@@ -62,19 +62,19 @@ def test_a_gpu_topology_is_whole_nodes():
     (["--target", "ec2", "--topology", "v4-32", "--run_dir", "gs://b/r"], "--target ec2: unknown"),
     (["--topology", "v4-32", "--run_dir", "runs/x"], "--run_dir runs/x is on this machine, but the 4 hosts"),
     (["--topology", "v4-32", "--run_dir", "runs/x", "--shared_fs"], "give the absolute path"),
-    (["--topology", "v4-32", "--run_dir", "gs://b/r", "--num_slices", "3"], "--num_slices 3 does not divide"
-                                                                              " train.batch_size 8"),
+    (["--topology", "v4-32", "--run_dir", "gs://b/r", "--num_slices", "3"],
+     "--num_slices 3 does not divide train.batch_size 8"),
     (["--topology", "gpu-16", "--run_dir", "gs://b/r"], "slurm runs gpu-N topologies"),
     (["--topology", "v4-32", "--run_dir", "gs://b/r", "--", "--train.stepz=3"], "--train.stepz"),
-    (["--topology", "v4-32", "--run_dir", "gs://b/r", "--", "--run_dir=gs://b/other"], "give --run_dir to the"
-                                                                                        " launcher"),
+    (["--topology", "v4-32", "--run_dir", "gs://b/r", "--", "--run_dir=gs://b/other"],
+     "give --run_dir to the launcher"),
     (["--topology", "v4-32", "--run_dir", "gs://b/r", "--name", "My_Pod"], "--name My_Pod: use lower-case"),
 ])
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, monkeypatch, flags, message):
     cloud = FakeCloud(tmp_path / "cloud")
     monkeypatch.setenv("PATH", cloud.env()["PATH"])
     monkeypatch.setenv("FAKE_CLOUD_DIR", str(cloud.root))
-    code, out, err = run_main(pod_main, "launch", *WHERE, *PINNED[:4], "--workdir", str(tmp_path / "w"), *flags)
+    code, _, err = run_main(pod_main, "launch", *WHERE, *PINNED[:4], "--workdir", str(tmp_path / "w"), *flags)
     assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert message in err
     assert cloud.calls() == [] and not (tmp_path / "w").exists()
@@ -273,9 +273,9 @@ def test_status_and_delete_reach_what_launch_created(tmp_path, monkeypatch):
     subprocess.run(["gcloud", "compute", "tpus", "queued-resources", "create", "pod", "--accelerator-type=v4-16"],
                    check=True)
     status = subprocess.run([sys.executable, "-m", "tools.pod", "status", "--name", "pod", *WHERE], cwd=ROOT,
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, check=False)
     assert status.returncode == 0 and status.stdout.strip().endswith("ACTIVE")
-    code, out, _ = run_main(pod_main, "delete", "--name", "pod", *WHERE)
+    code, _, _ = run_main(pod_main, "delete", "--name", "pod", *WHERE)
     assert code == 0 and "pod" not in cloud.state()
     assert cloud.calls()[-1][:5] == ["gcloud", "compute", "tpus", "queued-resources", "delete"]
 
@@ -287,7 +287,7 @@ def test_a_program_that_does_not_fit_is_refused_before_anything_is_created(tmp_p
     monkeypatch.setenv("PATH", cloud.env()["PATH"])
     monkeypatch.setenv("FAKE_CLOUD_DIR", str(cloud.root))
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold libtpu's lock file
-    code, out, err = run_main(pod_main, "launch", "--topology", "v5e-8", "--run_dir", "gs://b/r", *WHERE, *PINNED[:4],
+    code, _, err = run_main(pod_main, "launch", "--topology", "v5e-8", "--run_dir", "gs://b/r", *WHERE, *PINNED[:4],
                               "--workdir", str(tmp_path / "w"), "--", "--config", "gpt2_124m", "--model.n_layer=8",
                               "--model.n_embd=4096", "--model.n_head=32", "--model.scan_layers=true",
                               "--mesh.rules=dp")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from errors import UserError
 from tools.pod.job import Job
-from tools.pod.targets import DONE, GONE, PENDING, RUNNING, Plan, delete_commands, plan, state_command, state_of
+from tools.pod.targets import DONE, GONE, PENDING, RUNNING, delete_commands, plan, state_command, state_of
 
 
 class CommandFailed(UserError):
@@ -26,7 +26,7 @@ class CommandFailed(UserError):
 def shell(command: str, *, capture: bool = False) -> subprocess.CompletedProcess:
     """Runs one of the plan's commands as printed (bash), echoing it first."""
     print(f"$ {command}", flush=True)
-    return subprocess.run(["bash", "-c", command], capture_output=capture, text=True)
+    return subprocess.run(["bash", "-c", command], capture_output=capture, text=True, check=False)
 
 
 def must(command: str) -> None:
@@ -36,7 +36,7 @@ def must(command: str) -> None:
 
 
 def state(job: Job) -> str:
-    r = subprocess.run(["bash", "-c", state_command(job.where)], capture_output=True, text=True)
+    r = subprocess.run(["bash", "-c", state_command(job.where)], capture_output=True, text=True, check=False)
     return state_of(job.where.target, r.returncode, r.stdout)
 
 
@@ -78,9 +78,9 @@ class Keeper:
         for command in self.plan.start:
             if self.job.where.target == "tpu-vm":
                 print(f"$ {command}\n(output: {log})", flush=True)
-                out = open(log, "a")
-                self.procs.append(subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT,
-                                                   stdin=subprocess.DEVNULL, start_new_session=True))
+                with open(log, "a") as out:  # the session keeps its own copy of the file
+                    self.procs.append(subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT,
+                                                       stdin=subprocess.DEVNULL, start_new_session=True))
                 threading.Thread(target=_follow, args=(log, self.procs[-1]), daemon=True).start()
             else:
                 must(command)
