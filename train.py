@@ -45,7 +45,8 @@ def usage() -> str:
             f"  --config NAME     the preset the other flags override: {', '.join(configs.PRESETS)}"
             f" (default {configs.DEFAULT})\n"
             "  --aot TOPOLOGY    compile the real train call for a TPU topology (v4, v5e, v5p, v6e; e.g. v5e:2x4)"
-            " and report its memory and predicted step time, instead of training (needs the `tpu` extra)\n"
+            " and report its memory and predicted step time, instead of training (needs the `tpu` extra); TOPOLOGY*N:"
+            " N slices joined by DCN, e.g. v5e:16x16*2\n"
             "  --plan TOPOLOGY   compile the preset's candidate layouts, micro-batches, remat policies, scan/unrolled"
             " layers and attention kernels for a TPU topology and rank them by predicted step time\n"
             f"  --plan_budget S   stop starting --plan's compiles after S seconds (default {DEFAULT_BUDGET_S:.0f})\n")

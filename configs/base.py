@@ -89,12 +89,17 @@ class MeshConfig:
       fsdp: data-parallel size with parameters, gradients and optimizer state sharded over it (ZeRO-3).
       tensor: tensor-parallel size (heads, MLP and vocabulary split over it).
       rules: one of gpt2.sharding.RULES: dp, fsdp, tp, fsdp_tp.
+      num_slices: TPU slices the run spans (>= 1), joined by the data-center network (DCN). The `data` axis
+        spans them (slices × the data parallelism inside one); `fsdp` and `tensor` stay inside a slice, so mesh.data
+        must be a multiple of it. Devices are grouped by their `slice_index` (on CPUs by process,
+        consecutive processes forming a slice).
     """
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
     rules: str = "fsdp"
+    num_slices: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,7 +338,7 @@ def validate(c: Config) -> None:
         "distributed.initialization_timeout": d.initialization_timeout,
         "log.profile_start": c.log.profile_start, "log.profile_steps": c.log.profile_steps,
         "guard.rollback_after": c.guard.rollback_after, "guard.max_rollbacks": c.guard.max_rollbacks,
-        "train.eval_limit": t.eval_limit,
+        "train.eval_limit": t.eval_limit, "mesh.num_slices": c.mesh.num_slices,
     }.items():
         _integer(name, value, minimum=1)
     _integer("guard.warmup", c.guard.warmup, minimum=3)
@@ -348,6 +353,9 @@ def validate(c: Config) -> None:
         _integer(name, value, minimum=-1)
         if value == 0:
             raise ConfigError(f"{name} must be >= 1 or -1 (the rest of the devices), got 0")
+    if c.mesh.data != -1 and c.mesh.data % c.mesh.num_slices:
+        raise ConfigError(f"mesh.data={c.mesh.data} must be a multiple of mesh.num_slices={c.mesh.num_slices}: data"
+                          " parallelism spans the slices (fsdp and tensor stay inside one)")
     _real("optim.lr", o.lr, low=0, low_open=True)
     _real("optim.eps", o.eps, low=0, low_open=True)
     _real("optim.weight_decay", o.weight_decay, low=0)

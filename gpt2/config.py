@@ -120,14 +120,15 @@ class GPT2Config:
             total -= V * D + self.block_size * D
         return total
 
-    def flops_per_token(self, seq_len: int | None = None) -> float:
+    def flops_per_token(self, seq_len: int | None = None, *, causal: bool = False) -> float:
         """Training FLOPs per token: 6·N (non-embedding matmuls + tied head) plus attention.
 
-        PaLM appendix B / nanoGPT `estimate_mfu`: 6N + 12·L·D·T (QKᵀ and AV, fwd + bwd).
+        PaLM appendix B / nanoGPT `estimate_mfu` (this project's MFU): 6N + 12·L·D·T (QKᵀ and AV, fwd + bwd, over
+        every query-key pair). `causal`: only the pairs a causal mask keeps, 6N + 6·L·D·T (MaxText, llm.c).
         """
         T = seq_len or self.block_size
         n = self.num_params(include_embedding=False) + self.padded_vocab_size * self.n_embd
-        return 6 * n + 12 * self.n_layer * self.n_embd * T
+        return 6 * n + (6 if causal else 12) * self.n_layer * self.n_embd * T
 
     # ---- presets -------------------------------------------------------------------------------
 

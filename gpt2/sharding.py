@@ -121,6 +121,12 @@ def make_mesh(
 ) -> Mesh:
     """A ('data', 'fsdp', 'tensor') mesh over `devices` (default: all). One size may be -1 ("the rest")."""
     devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(data, fsdp, tensor, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def mesh_shape(data: int, fsdp: int, tensor: int, devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) sizes over `devices` devices, the one -1 resolved to the devices the others leave."""
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
     for axis, size in sizes.items():
         if not isinstance(size, int) or size == 0 or size < -1:
@@ -130,18 +136,17 @@ def make_mesh(
         raise ConfigError(f"only one mesh axis may be -1, got {free}")
     fixed = int(np.prod([s for s in sizes.values() if s != -1]))
     if free:
-        if len(devices) % fixed:
+        if devices % fixed:
             raise ConfigError(
-                f"mesh {sizes}: {len(devices)} devices are not divisible by the fixed axes' product {fixed}"
+                f"mesh {sizes}: {devices} devices are not divisible by the fixed axes' product {fixed}"
             )
-        sizes[free[0]] = len(devices) // fixed
-    if int(np.prod(list(sizes.values()))) != len(devices):
+        sizes[free[0]] = devices // fixed
+    if int(np.prod(list(sizes.values()))) != devices:
         raise ConfigError(
             f"mesh data×fsdp×tensor = {sizes['data']}×{sizes['fsdp']}×{sizes['tensor']} ="
-            f" {int(np.prod(list(sizes.values())))} but there are {len(devices)} devices"
+            f" {int(np.prod(list(sizes.values())))} but there are {devices} devices"
         )
-    shape = tuple(sizes[a] for a in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    return tuple(sizes[a] for a in MESH_AXES)
 
 
 def logical_axes_of(variable) -> tuple[str | None, ...]:

@@ -145,6 +145,20 @@ def test_each_op_class_agrees_with_libtpus_cost_model(chip_mesh, op_class, chip)
                                       f" {row.ours_s * 1e6:.2f} us, libtpu {row.libtpu_s * 1e6:.2f} us")
 
 
+@pytest.mark.parametrize("chip", list(calibrate.TOPOLOGIES))
+def test_with_libtpus_vmem_accounting_a_default_compile_agrees_too(chip_mesh, chip):
+    """Compiled with the compiler's defaults (prefetches into VMEM), ops of three classes drawn at random are
+    predicted within [0.8, 1.25] of libtpu when on-chip memory is counted as libtpu counts it (`libtpu_vmem`)."""
+    rng = np.random.default_rng([SEED, 99, list(calibrate.TOPOLOGIES).index(chip)])
+    mesh = chip_mesh(chip)
+    for op_class in rng.choice(list(calibrate.OP_CLASSES), 3, replace=False):
+        op = calibrate.OP_CLASSES[op_class](rng)
+        compiled = calibrate.compile_op(op, mesh, options={})
+        ours = step_time.estimate_hlo(compiled.as_text(), chip, dict(mesh.shape), libtpu_vmem=True).predicted_s
+        ratio = ours / calibrate.libtpu_seconds(compiled)
+        assert 0.8 <= ratio <= 1.25, f"{op_class} on {chip}, {op.shape} (STEP_TIME_SEED={SEED}): {ratio:.3f}"
+
+
 def test_tile_padding_counts_in_the_bytes():
     assert hlo.stored_elements((8192, 100), "0,1:T(8,128)") == 8192 * 104  # 100 rows of 8192, 100 -> 104
     assert hlo.stored_elements((3, 12, 64), "2,1,0:T(8,128)(2,1)") == 3 * 16 * 128
@@ -307,3 +321,20 @@ def test_the_estimate_per_step_does_not_depend_on_steps_per_call():
     assert three.collective_s == pytest.approx(one.collective_s, rel=1e-6)
     assert 0.75 * one.hbm_s < three.hbm_s < one.hbm_s
     assert 0.75 * one.predicted_s < three.predicted_s <= one.predicted_s
+
+
+def test_the_report_gives_both_mfu_conventions_and_the_backtest_range():
+    from gpt2 import GPT2Config
+    from trainer.perf.step_report import BACKTEST_BAND, StepTimeEstimate
+
+    c = GPT2Config.gpt2()
+    full, causal = c.flops_per_token(1024), c.flops_per_token(1024, causal=True)
+    assert full - causal == 6 * 12 * 768 * 1024  # half of 12·L·D·T: the masked query-key pairs
+    e = StepTimeEstimate(chip=V5E, flops=0.0, hbm_bytes=0.0, compute_s=0.1, hbm_s=0.05, roofline_s=0.1,
+                         collectives=(), model_flops=full * 1e4, causal_model_flops=causal * 1e4)
+    assert e.predicted_mfu / e.predicted_mfu_causal == pytest.approx(full / causal)
+    lo, hi = BACKTEST_BAND
+    assert lo < 1 < hi
+    assert f"expect {100 * lo:.0f}–{100 * hi:.0f} ms" in e.expected_range()
+    assert f"MFU {e.predicted_mfu / hi:.0%}–{e.predicted_mfu / lo:.0%}" in e.expected_range()
+    assert any("causal pairs" in line for line in e.lines())

@@ -19,7 +19,8 @@ from configs.base import Config
 from errors import ConfigError
 from trainer.hardware import CHIPS, Chip
 from trainer.perf.compile_store import STORE, CompiledProgram, compile_lowered
-from trainer.perf.step_time import StepTimeEstimate, estimate_hlo
+from trainer.perf.step_report import StepTimeEstimate
+from trainer.perf.step_time import estimate_hlo
 from trainer.program.mesh import build_mesh
 from trainer.program.train_program import TrainProgram
 
@@ -38,7 +39,9 @@ class AotReport:
     optimal_seconds: float  # libtpu's cost model for the whole call (< 0: none; see compile_for_topology)
     steps_per_call: int
     step_time: StepTimeEstimate  # predicted from the compiled program, per step
+    libtpu_vmem_step_s: float  # the same with on-chip memory counted as libtpu's cost model counts it
     from_store: bool = False  # the compile was read back from trainer/perf/compile_store.py's store
+    slices: int = 1  # slices joined by DCN (`v5e:16x16*2`); the program compiled is one slice's
 
     @property
     def total_bytes(self) -> int:
@@ -53,6 +56,7 @@ class AotReport:
         gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
         lines = [
             f"AOT compile for {self.topology} ({self.devices} devices"
+            f"{f' in {self.slices} slices' if self.slices > 1 else ''}"
             f"{'; read back from ' + STORE if self.from_store else ''}), per device:",
             f"  arguments   {gib(self.argument_bytes)}",
             f"  outputs     {gib(self.output_bytes)}  (of which {gib(self.alias_bytes).strip()} alias donated arguments)",
@@ -63,6 +67,9 @@ class AotReport:
             f" {self.flops_per_step:.3e} (each scanned loop body once)",
         ]
         lines += ["  " + line for line in self.step_time.lines()]
+        lines.append(f"  with VMEM counted as libtpu's cost model counts it (at the HBM rate, prefetches 4x, in"
+                     f" series): {self.libtpu_vmem_step_s * 1e3:.1f} ms per step, the pessimistic end"
+                     " (docs/aot_planning.md, On-chip memory)")
         if self.optimal_seconds > 0:
             lines.append(f"  libtpu's cost model: {self.optimal_seconds / self.steps_per_call * 1e3:.1f} ms per step")
         else:
@@ -78,12 +85,25 @@ def chip_of(topology: str) -> tuple[str, Chip]:
     return chip, CHIPS[chip]
 
 
+def parse_topology(topology: str) -> tuple[str, int]:
+    """`v5e:16x16*2` -> ("v5e:16x16", 2): one slice's topology as libtpu names it, and the number of slices (DCN
+    between them; 1 without `*N`)."""
+    name, star, count = topology.partition("*")
+    if not star:
+        return name, 1
+    if not count.isdigit() or int(count) < 1:
+        raise ConfigError(f"--aot {topology}: the number of slices after '*' must be a positive integer, got {count!r}"
+                          " (e.g. v5e:16x16*2)")
+    return name, int(count)
+
+
 def topology_devices(topology: str):
     chip, spec = chip_of(topology)
+    name, slices = parse_topology(topology)
     try:
         topo = topologies.get_topology_desc(
-            platform="tpu", topology_name=topology, chip_config_name=spec.chip_config,
-            chips_per_host_bounds=spec.host, num_slices=1,
+            platform="tpu", topology_name=name, chip_config_name=spec.chip_config,
+            chips_per_host_bounds=spec.host, num_slices=slices,
         )
     except Exception as e:  # libtpu missing, or a name it does not know
         raise ConfigError(f"--aot {topology}: cannot describe this topology ({str(e).splitlines()[0]});"
@@ -91,11 +111,20 @@ def topology_devices(topology: str):
     return topo.devices
 
 
+def for_topology(cfg: Config, topology: str) -> Config:
+    """`cfg` spanning the topology's slices (mesh.num_slices from `*N`; a different explicit value is an error)."""
+    slices = parse_topology(topology)[1]
+    if cfg.mesh.num_slices not in (1, slices):
+        raise ConfigError(f"--aot {topology}: {slices} slice(s), but mesh.num_slices={cfg.mesh.num_slices}")
+    return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, num_slices=slices))
+
+
 def compile_for_topology(cfg: Config, topology: str) -> AotReport:
     """Compiles the K-step train call for `topology` (or reads the same compile back from the store) and reports
     on it; allocates no arrays. A program the TPU compiler refuses because it cannot fit raises `DoesNotFit` with
     the compiler's numbers."""
     _, spec = chip_of(topology)
+    slices = parse_topology(topology)[1]
     program, mesh = compile_train_call(cfg, topology)
     if program.error is not None:
         raise DoesNotFit(f"--aot {topology}: does not fit in HBM: {program.error}")
@@ -108,7 +137,9 @@ def compile_for_topology(cfg: Config, topology: str) -> AotReport:
     # which buffers get sliced prefetches. With that flag the gpt2_124m call gets +0.038 s, but for 10 steps of
     # 16 micro-batches of 12 layers each counted once: no step time either. Hence trainer/perf/step_time.py.
     t = cfg.train
-    model_flops = cfg.model.flops_per_token(t.seq_len) * t.batch_size * t.seq_len / mesh.size  # per step per chip
+    tokens_per_chip = t.batch_size * t.seq_len / mesh.size  # per step
+    model_flops = cfg.model.flops_per_token(t.seq_len) * tokens_per_chip
+    causal_flops = cfg.model.flops_per_token(t.seq_len, causal=True) * tokens_per_chip
     return AotReport(
         topology=topology, devices=mesh.size,
         argument_bytes=program.argument_bytes, output_bytes=program.output_bytes,
@@ -116,13 +147,17 @@ def compile_for_topology(cfg: Config, topology: str) -> AotReport:
         flops_per_step=program.flops, model_flops_per_step=model_flops,
         optimal_seconds=program.optimal_seconds, steps_per_call=t.steps_per_call,
         step_time=estimate_hlo(program.hlo, spec, dict(mesh.shape), steps_per_call=t.steps_per_call,
-                               model_flops_per_step=model_flops),
-        from_store=program.from_store,
+                               model_flops_per_step=model_flops, causal_model_flops_per_step=causal_flops,
+                               slices=slices),
+        libtpu_vmem_step_s=estimate_hlo(program.hlo, spec, dict(mesh.shape), steps_per_call=t.steps_per_call,
+                                        libtpu_vmem=True, slices=slices).predicted_s,
+        from_store=program.from_store, slices=slices,
     )
 
 
 def compile_train_call(cfg: Config, topology: str) -> tuple[CompiledProgram, Mesh]:
     """(the train call compiled for `topology`, its mesh)."""
+    cfg = for_topology(cfg, topology)
     mesh = build_mesh(cfg, devices=topology_devices(topology))
     trainer = TrainProgram.build(cfg, mesh)
     with jax.set_mesh(mesh):

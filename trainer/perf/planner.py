@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 
 from configs.base import Config
 from errors import ConfigError
-from trainer.perf.aot import DoesNotFit, chip_of, compile_for_topology, topology_devices
+from trainer.perf.aot import DoesNotFit, chip_of, compile_for_topology, for_topology, parse_topology, topology_devices
+from trainer.perf.step_report import BACKTEST_BAND
 
 # The axes in the order the descent visits them, those that change a step's largest costs first (per-micro-batch
 # gradient collectives and overheads, recomputation, the scan's saved activations), so that a search cut short
@@ -55,6 +56,8 @@ class Outcome:
     compile_s: float
     error: str | None = None  # "does not fit: ..." or the compile's first error line
     from_store: bool = False  # read back from an earlier compile (trainer/perf/compile_store.py)
+    mfu_causal: float | None = None  # predicted MFU counting causal attention only (MaxText's, llm.c's convention)
+    expected: str | None = None  # the step and MFU range the back-test's error band gives (StepTimeEstimate)
 
     def key(self) -> tuple:
         """Sort key, best first: fitting and fast, then not fitting by memory (so the search moves towards
@@ -87,9 +90,11 @@ def layouts(cfg: Config, devices: int) -> list[dict[str, object]]:
     """Sharding rules with mesh shapes that fit `devices` chips and the model's shapes.
 
     fsdp splits the width (n_embd) over as many chips as divide it, the rest is data parallel; tp splits heads,
-    mlp and vocabulary over 2 chips (more only adds collectives at GPT-2's widths); fsdp_tp does both.
+    mlp and vocabulary over 2 chips (more only adds collectives at GPT-2's widths); fsdp_tp does both. Over several
+    slices (mesh.num_slices) fsdp and tensor stay inside one slice's chips; data spans the slices.
     """
     D, H, V = cfg.model.n_embd, cfg.model.n_head, cfg.model.padded_vocab_size
+    per_slice = devices // cfg.mesh.num_slices
 
     def mesh(rules, data, fsdp, tensor):
         return {"mesh.rules": rules, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor}
@@ -98,13 +103,13 @@ def layouts(cfg: Config, devices: int) -> list[dict[str, object]]:
         return max(f for f in range(1, n + 1) if n % f == 0 and D % f == 0)
 
     out = [mesh("dp", devices, 1, 1)]
-    f = fsdp_size(devices)
+    f = fsdp_size(per_slice)
     if f > 1:
         out.append(mesh("fsdp", devices // f, f, 1))
-    if devices % 2 == 0 and H % 2 == 0 and V % 2 == 0:
+    if per_slice % 2 == 0 and H % 2 == 0 and V % 2 == 0:
         out.append(mesh("tp", devices // 2, 1, 2))
-    if devices % 2 == 0 and H % 2 == 0 and fsdp_size(devices // 2) > 1:
-        f = fsdp_size(devices // 2)
+    if per_slice % 2 == 0 and H % 2 == 0 and fsdp_size(per_slice // 2) > 1:
+        f = fsdp_size(per_slice // 2)
         out.append(mesh("fsdp_tp", devices // 2 // f, f, 2))
     return out
 
@@ -259,7 +264,8 @@ def compile_candidate(topology: str) -> Compile:
             jax.clear_caches()  # each candidate's executables are not needed again
         e = r.step_time
         return Outcome(changes, r.fits, float(r.total_bytes), e.predicted_s, e.predicted_mfu, e.bottleneck,
-                       time.monotonic() - start, None if r.fits else "does not fit in HBM", r.from_store)
+                       time.monotonic() - start, None if r.fits else "does not fit in HBM", r.from_store,
+                       e.predicted_mfu_causal, e.expected_range())
 
     return compile
 
@@ -269,7 +275,7 @@ def plan(preset_name: str, cfg: Config, topology: str, *, budget_s: float, compi
     """Searches candidates around `cfg` for `topology`; `compile` defaults to compiling through libtpu."""
     chip_of(topology)  # an unknown generation is one line, before anything compiles
     devices = len(topology_devices(topology)) if compile is None else _devices(topology)
-    cfg = _resolved(cfg, devices)
+    cfg = _resolved(for_topology(cfg, topology), devices)
     with tqdm(desc=f"plan {topology}", unit="compile", disable=not show_progress, leave=False) as bar:
         search = Search(cfg, devices, compile or compile_candidate(topology), budget_s=budget_s, progress=bar)
         best = search.run()
@@ -278,8 +284,9 @@ def plan(preset_name: str, cfg: Config, topology: str, *, budget_s: float, compi
 
 
 def _devices(topology: str) -> int:
-    """Chips in a topology name, e.g. v5e:2x4 -> 8 (for a search with a stand-in compiler)."""
-    return math.prod(int(d) for d in topology.split(":")[1].split("x"))
+    """Chips in a topology name, e.g. v5e:2x4 -> 8, v5e:2x4*2 -> 16 (for a search with a stand-in compiler)."""
+    name, slices = parse_topology(topology)
+    return math.prod(int(d) for d in name.split(":")[1].split("x")) * slices
 
 
 def _resolved(cfg: Config, devices: int) -> Config:
@@ -300,15 +307,17 @@ def _resolved(cfg: Config, devices: int) -> Config:
 
 def table(p: Plan) -> str:
     gib = lambda b: f"{b / 2**30:5.2f}" if b is not None else "    ?"  # noqa: E731
-    rows = [f"{'#':>2}  {'fits':4}  {'GiB/chip':>8}  {'step ms':>8}  {'MFU':>6}  {'compile':>7}  bottleneck / changes"]
+    pct = lambda x: f"{x:6.1%}" if x is not None else "     -"  # noqa: E731
+    rows = [f"{'#':>2}  {'fits':4}  {'GiB/chip':>8}  {'step ms':>8}  {'MFU':>6}  {'causal':>6}  {'compile':>7}"
+            "  bottleneck / changes"]
     for i, o in enumerate(p.ranked(), 1):
         fits = "yes" if o.fits else "no"
         step = f"{o.step_s * 1e3:8.1f}" if o.step_s is not None else "       -"
-        mfu = f"{o.mfu:6.1%}" if o.mfu is not None else "     -"
         why = o.bottleneck if o.error is None else o.error
         took = " stored" if o.from_store else f"{o.compile_s:6.0f}s"
-        rows.append(f"{i:>2}  {fits:4}  {gib(o.memory_bytes):>8}  {step}  {mfu}  {took:>7}  {why}")
-        rows.append(f"{'':>2}  {'':4}  {'':>8}  {'':>8}  {'':>6}  {'':>7}  {flags(o.changes)}")
+        rows.append(f"{i:>2}  {fits:4}  {gib(o.memory_bytes):>8}  {step}  {pct(o.mfu)}  {pct(o.mfu_causal)}"
+                    f"  {took:>7}  {why}")
+        rows.append(f"{'':>2}  {'':4}  {'':>8}  {'':>8}  {'':>6}  {'':>6}  {'':>7}  {flags(o.changes)}")
     return "\n".join(rows)
 
 
@@ -323,7 +332,10 @@ def text(p: Plan, hbm_bytes: float) -> str:
         " time, the others held at the best so far; not a full grid.",
         f"Figures per chip, predicted from each compiled program (train.steps_per_call=1), not measured; HBM"
         f" {hbm_bytes / 2**30:.2f} GiB. step ms: ops in series, each at max(its FLOPs at peak, its HBM bytes at"
-        " bandwidth), collectives overlapped; MFU: 6N + attention FLOPs over that time.",
+        " bandwidth, at libtpu's cost model's rates), plus the collectives the schedule leaves exposed; MFU: 6N +"
+        " attention over every query-key pair (PaLM, nanoGPT) in that time; causal: counting only the causal pairs"
+        f" (MaxText, llm.c). Published runs measured {BACKTEST_BAND[0]:.2f}–{BACKTEST_BAND[1]:.2f}× such"
+        " predictions (docs/aot_planning.md, Back-test).",
         "",
         table(p),
         "",
@@ -332,6 +344,8 @@ def text(p: Plan, hbm_bytes: float) -> str:
         lines.append(f"best: {flags(p.best)}")
         lines.append(f"      predicted {best.step_s * 1e3:.1f} ms per step, MFU {best.mfu:.1%}, bottleneck"
                      f" {best.bottleneck}, {best.memory_bytes / 2**30:.2f} GiB per chip")
+        if best.expected:
+            lines.append(f"      {best.expected}")
     else:
         lines.append("no candidate fits: shard more (a larger topology) or shrink train.batch_size")
     return "\n".join(lines)

@@ -1,5 +1,5 @@
 """A step-time estimate of a compiled TPU program, read from its optimized HLO: each op at libtpu's cost model's rates
-plus the ICI collectives that the schedule leaves exposed.
+plus the collectives (ICI; DCN between slices) that the schedule leaves exposed.
 
 libtpu's own cost model (`compiled.cost_analysis()["optimal_seconds"]`) gives up on our train call (it returns a
 negative number), and XLA's flop count covers a loop body once. This module walks the compiled program's HLO text
@@ -14,8 +14,9 @@ negative number), and XLA's flop count covers a loop body once. This module walk
 - while loops (scans over layers, the K-step scan, gradient accumulation) multiply their body by the trip count;
   a conditional costs its most expensive branch (the train call's "active" branch is the whole step);
 - each collective's time comes from its bytes and the mesh axis its replica groups run over, at the ICI bandwidth
-  of a bidirectional ring along that axis (trainer/perf/collectives.py). An async one is hidden by the ops scheduled between its
-  start and its done (the text's order is the schedule); the rest of it, and all of a synchronous one, is exposed.
+  of a bidirectional ring along that axis, a transfer between slices at the hosts' DCN bandwidth (perf/collectives.py).
+  An async one is hidden by the ops scheduled between its start and its done (the text's order is the schedule); the
+  rest of it, and all of a synchronous one, is exposed.
 
 The predicted step is the ops in series plus the exposed collectives, and no less than the HBM traffic (async
 prefetches are DMAs beside the compute). Everything here is a prediction from the compiled program, not a
@@ -34,8 +35,9 @@ from functools import cached_property
 
 from trainer.hardware import CHIPS, Chip
 from trainer.perf import op_cost
-from trainer.perf.collectives import COLLECTIVES, Collective, collective_seconds
+from trainer.perf.collectives import COLLECTIVES, Collective, collective_seconds, dcn_collective, dcn_kind
 from trainer.perf.hlo import Computation, Instr, called, memory_space, mesh_axis, parse_hlo, replica_groups, trip_count
+from trainer.perf.step_report import StepTimeEstimate
 
 # ---------------------------------------------------------------------------------------------- costs
 
@@ -86,8 +88,8 @@ class _Walker:
     """Costs of an HLO module's computations for one chip and mesh, each computed once."""
 
     def __init__(self, comps: dict[str, Computation], chip: Chip, mesh_shape: dict[str, int], *,
-                 copies_in_series: bool = False):
-        self.comps, self.chip, self.mesh_shape = comps, chip, mesh_shape
+                 copies_in_series: bool = False, slices: int = 1):
+        self.comps, self.chip, self.mesh_shape, self.slices = comps, chip, mesh_shape, slices  # one slice's mesh
         self.copies_in_series = copies_in_series  # libtpu's accounting: see estimate_hlo
         self.devices = math.prod(mesh_shape.values())
         self.rates = op_cost.RATES[chip.name]
@@ -117,10 +119,12 @@ class _Walker:
 
     def async_role(self, instr: Instr) -> tuple[str | None, str | None]:
         """("start" or "done", the key pairing them) for a half of an async collective; (None, None) else.
-        Three spellings: `all-gather-start`/`-done` (and the other collectives'), `async-start`/`-done` around a
-        reduce-scatter or all-to-all, and libtpu's async collective fusions, whose fused roots are the custom
-        calls AsyncCollectiveStart / AsyncCollectiveDone, paired by their collective's channel."""
+        Spellings: `all-gather-start`/`-done` (and the other collectives'), `async-start`/`-done` around a
+        reduce-scatter or all-to-all, libtpu's async collective fusions (fused roots AsyncCollectiveStart /
+        AsyncCollectiveDone, paired by their collective's channel), and across slices a megascale `send`/`send-done`."""
         code = instr.opcode
+        if dcn_kind(instr) or code == "send-done" and "megascale" in instr.attrs:
+            return ("start", instr.name) if code == "send" else ("done", instr.operands[0])
         for half in ("start", "done"):
             if code.removesuffix(f"-{half}") in COLLECTIVES and code.endswith(f"-{half}"):
                 return half, instr.name if half == "start" else instr.operands[0]
@@ -133,6 +137,9 @@ class _Walker:
         return None, None
 
     def async_collectives(self, done: Instr, start: Instr) -> Cost:
+        if start.opcode == "send":
+            c = dcn_collective(dcn_kind(start), self.slices, start.arrays[0].bytes, self.chip)
+            return Cost(collectives={(c.kind, c.axis): c})
         if start.opcode == "async-start":
             return self.computation(called(start, "calls")[0])
         if start.opcode == "fusion":
@@ -163,8 +170,8 @@ class _Walker:
             return max((self.computation(b) for b in called(instr, "branch_computations", "true_computation",
                                                               "false_computation")),
                        key=lambda c: c.roofline_s + c.exposed_s, default=Cost())
-        if code == "async-start" and self.async_role(instr)[0] == "start":
-            return Cost()  # its collective is charged at its done
+        if code == "async-start" and self.async_role(instr)[0] == "start" or "megascale" in instr.attrs:
+            return Cost()  # its collective is charged at its done (a DCN transfer's send and recv: at the send's)
         if code in ("call", "async-start"):
             return self.computation(called(instr, "to_apply", "calls")[0])
         if code in COLLECTIVES:
@@ -346,134 +353,37 @@ def _written_bytes(element: Instr, fused: Computation) -> float:
 
 # ---------------------------------------------------------------------------------------------- the estimate
 
-@dataclasses.dataclass(frozen=True)
-class StepTimeEstimate:
-    """Predicted time of one optimizer step on one chip, from the compiled program (not a measurement).
-
-    Each op the TensorCore runs costs the larger of its compute and HBM times at libtpu's rates (trainer/op_cost.py);
-    roofline_s is their sum, one op after another (async copies are DMAs beside them). A collective adds the part
-    of its ICI time that the ops scheduled between its start and done do not cover (all of it when synchronous):
-    predicted_s = max(roofline_s + exposed_s, hbm_s). `predicted_mfu` is the MFU at that time, and what the
-    planner ranks by. lower_bound_s = max(compute_s, hbm_s, collective_s) (`mfu_bound` its MFU) is what the three
-    resources allow if everything overlapped; no_overlap_s (every collective in series) the pessimistic end.
-    """
-
-    chip: Chip
-    flops: float  # per step: MXU FLOPs of the compiled program, loops multiplied out
-    hbm_bytes: float  # per step: HBM bytes read + written
-    compute_s: float  # Σ over ops of their MXU / transcendental time
-    hbm_s: float  # hbm_bytes at libtpu's HBM rate
-    roofline_s: float  # Σ over ops of max(compute, HBM), async copies left out
-    collectives: tuple[Collective, ...]  # per step, largest first
-    model_flops: float | None = None  # per step per chip (6N + attention), for MFU
-    opaque_kernels: float = 0
-    unknown_loops: int = 0
-    memory_bound_s: float = 0.0  # the part of roofline_s in ops limited by HBM rather than the MXU
-    splash_kernels: float = 0  # splash attention kernel calls per step, costed from their block shapes
-
-    @property
-    def collective_s(self) -> float:
-        return sum(c.seconds for c in self.collectives)
-
-    @property
-    def exposed_s(self) -> float:
-        return sum(c.exposed for c in self.collectives)
-
-    @property
-    def lower_bound_s(self) -> float:
-        return max(self.compute_s, self.hbm_s, self.collective_s)
-
-    @property
-    def no_overlap_s(self) -> float:
-        """The roofline plus every collective in series: what the step takes if nothing overlaps."""
-        return self.roofline_s + self.collective_s
-
-    @property
-    def predicted_s(self) -> float:
-        return max(self.roofline_s + self.exposed_s, self.hbm_s)
-
-    @property
-    def predicted_mfu(self) -> float | None:
-        return self.model_flops / (self.predicted_s * self.chip.peak_flops) if self.model_flops else None
-
-    @property
-    def mfu_bound(self) -> float | None:
-        return self.model_flops / (self.lower_bound_s * self.chip.peak_flops) if self.model_flops else None
-
-    @property
-    def bottleneck(self) -> str:
-        """What sets the predicted time: exposed collectives (named by their largest kind and mesh axis) when they
-        outweigh the ops, HBM traffic, or the ops in series — "compute" when most of their time is in MXU-bound
-        ops, else "memory"."""
-        if self.hbm_s > self.roofline_s + self.exposed_s:
-            return "memory (HBM)"
-        if self.exposed_s > self.roofline_s:
-            worst = max(self.collectives, key=lambda c: c.exposed)
-            return f"collectives: {worst.kind} over {worst.axis}"
-        share = self.memory_bound_s / self.roofline_s if self.roofline_s else 0.0
-        return f"memory ({share:.0%} of op time)" if share > 0.5 else f"compute ({1 - share:.0%} of op time)"
-
-    def row(self) -> dict[str, float | str | None]:
-        """One line of a table ranking candidate configurations."""
-        return {"step_ms": self.predicted_s * 1e3, "mfu": self.predicted_mfu, "compute_ms": self.compute_s * 1e3,
-                "hbm_ms": self.hbm_s * 1e3, "collective_ms": self.collective_s * 1e3,
-                "exposed_ms": self.exposed_s * 1e3, "ops_ms": self.roofline_s * 1e3,
-                "no_overlap_ms": self.no_overlap_s * 1e3, "bottleneck": self.bottleneck}
-
-    def lines(self) -> list[str]:
-        ms = lambda s: f"{s * 1e3:8.2f} ms"  # noqa: E731
-        chip, mfu, rates = self.chip, self.predicted_mfu, op_cost.RATES[self.chip.name]
-        lines = [
-            "predicted from the compiled program (not measured), per step per chip, at libtpu's cost model's rates:",
-            f"  compute     {ms(self.compute_s)}  {self.flops:.3e} MXU FLOPs at {rates.mxu_flops_per_s / 1e12:.0f}"
-            f" TFLOP/s, transcendentals at {rates.transcendentals_per_s / 1e12:.2f} T/s, loops multiplied out",
-            f"  HBM         {ms(self.hbm_s)}  {self.hbm_bytes / 2**30:.2f} GiB read + written at"
-            f" {rates.hbm_bytes_per_s / 1e9:.0f} GB/s",
-            f"  collectives {ms(self.collective_s)}  ICI: a ring over a mesh axis {chip.ring_bytes_per_s / 1e9:.0f}"
-            f" GB/s, one link {chip.ici_link_bytes_per_s / 1e9:.0f} GB/s; {self.exposed_s * 1e3:.2f} ms exposed",
-            *(f"    {c.row()}" for c in self.collectives),
-            f"  lower bound {ms(self.lower_bound_s)}  max(compute, HBM, collectives)"
-            + (f" -> MFU <= {self.mfu_bound:.1%}" if mfu else ""),
-            f"  op by op    {ms(self.roofline_s)}  each op at max(its compute, its HBM), one after another"
-            f" ({self.memory_bound_s / max(self.roofline_s, 1e-12):.0%} in HBM-bound ops);"
-            f" {self.no_overlap_s * 1e3:.2f} ms with every collective in series",
-            f"  predicted   {ms(self.predicted_s)}  op by op + exposed collectives (at least HBM)"
-            + (f" -> predicted MFU {mfu:.1%}" if mfu else "") + f"; bottleneck: {self.bottleneck}",
-        ]
-        if self.splash_kernels:
-            lines.append(f"  splash attention: {self.splash_kernels:g} kernel calls costed from their block shapes"
-                         " (the causal blocks' matmuls at the MXU rate, then one exp per score), as libtpu cannot")
-        if self.opaque_kernels:
-            lines.append(f"  not counted: the FLOPs inside {self.opaque_kernels:g} Pallas kernel calls other than"
-                         " splash attention's (their HBM traffic is)")
-        if self.unknown_loops:
-            lines.append(f"  not counted: the repeats of {self.unknown_loops} loops of unknown trip count (run once)")
-        return lines
-
-
 def estimate(compiled, chip: Chip | str, mesh, *, steps_per_call: int = 1,
-             model_flops_per_step: float | None = None) -> StepTimeEstimate:
+             model_flops_per_step: float | None = None,
+             causal_model_flops_per_step: float | None = None) -> StepTimeEstimate:
     """The step-time estimate of a compiled jitted call (`jax.jit(f).lower(...).compile()`) for one chip.
 
     Args:
       compiled: the compiled call; its `as_text()` is the optimized, scheduled HLO module.
       chip: a `Chip` or a key of CHIPS ("v5e", ...).
-      mesh: the `jax.sharding.Mesh` the call was compiled for; device i of the program is mesh position i.
+      mesh: the `jax.sharding.Mesh` the call was compiled for; device i of the program is mesh position i (of
+        one slice's part of the mesh on several slices, whose devices carry a `slice_index`).
       steps_per_call: optimizer steps one call runs (the K-step scan): figures are per step.
-      model_flops_per_step: per chip (6N + attention), for the predicted MFU.
+      model_flops_per_step: per chip (6N + attention), for the predicted MFU; causal_model_flops_per_step: the
+        same counting causal attention only.
     """
+    slices = len({getattr(d, "slice_index", 0) for d in mesh.devices.flat})
     return estimate_hlo(compiled.as_text(), chip, dict(mesh.shape), steps_per_call=steps_per_call,
-                        model_flops_per_step=model_flops_per_step)
+                        model_flops_per_step=model_flops_per_step,
+                        causal_model_flops_per_step=causal_model_flops_per_step, slices=slices)
 
 
 def estimate_hlo(text: str, chip: Chip | str, mesh_shape: dict[str, int], *, steps_per_call: int = 1,
-                 model_flops_per_step: float | None = None, libtpu_vmem: bool = False) -> StepTimeEstimate:
+                 model_flops_per_step: float | None = None, causal_model_flops_per_step: float | None = None,
+                 libtpu_vmem: bool = False, slices: int = 1) -> StepTimeEstimate:
     """`libtpu_vmem`: count on-chip memory as libtpu's cost model does — every array at the HBM rate whatever its
     memory space, an async copy into VMEM as its operand and its two-array result, then its done's result, in
-    series with the ops — instead of VMEM as free and copies as DMAs beside the compute."""
+    series with the ops — instead of VMEM as free and copies as DMAs beside the compute. `slices`: the slices
+    the mesh's `data` axis spans (trainer/program/mesh.py); the program text is one slice's (perf/collectives.py)."""
     chip = CHIPS[chip] if isinstance(chip, str) else chip
     comps, entry = parse_hlo(re.sub(r"S\(\d+\)", "", text) if libtpu_vmem else text)
-    cost = _Walker(comps, chip, mesh_shape, copies_in_series=libtpu_vmem).computation(entry)
+    one_slice = {**mesh_shape, "data": mesh_shape["data"] // slices} if slices > 1 else mesh_shape
+    cost = _Walker(comps, chip, one_slice, copies_in_series=libtpu_vmem, slices=slices).computation(entry)
     k = steps_per_call
     collectives = tuple(sorted(
         (Collective(c.kind, c.axis, c.count / k, c.bytes / k, c.seconds / k, c.exposed / k)
@@ -482,9 +392,6 @@ def estimate_hlo(text: str, chip: Chip | str, mesh_shape: dict[str, int], *, ste
     return StepTimeEstimate(
         chip=chip, flops=cost.flops / k, hbm_bytes=cost.hbm_bytes / k, compute_s=cost.compute_s / k,
         hbm_s=cost.hbm_s / k, roofline_s=cost.roofline_s / k, collectives=collectives,
-        model_flops=model_flops_per_step, opaque_kernels=cost.opaque_kernels / k, unknown_loops=cost.unknown_loops,
+        model_flops=model_flops_per_step, causal_model_flops=causal_model_flops_per_step, opaque_kernels=cost.opaque_kernels / k, unknown_loops=cost.unknown_loops,
         memory_bound_s=cost.memory_bound_s / k, splash_kernels=cost.splash_kernels / k,
     )
-
-
-

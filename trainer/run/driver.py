@@ -153,14 +153,15 @@ def start_up(run: RunContext, restored: Restored, wandb_mode: str) -> None:
 def summary(run: RunContext, start: int, wandb_mode: str) -> str:
     """The start-up screen: what runs where, in a few lines (the full config is in config.json)."""
     cfg, m, t, mesh = run.cfg, run.cfg.model, run.cfg.train, run.program.mesh
-    meta = run.corpus.meta
+    meta, slices = run.corpus.meta, cfg.mesh.num_slices
+    data = f"{mesh.shape['data']}" + (f" ({slices} slices × {mesh.shape['data'] // slices})" if slices > 1 else "")
     per_device = sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
                      for a in jax.tree.leaves(run.program.abstract_params)) / 2**20
     return "\n".join([
         f"run      {run.run_dir.path} ({'resumed at step ' + str(start) if start else 'new'}; config.json)",
         f"model    {m.num_params():,} parameters: {m.n_layer} layers, {m.n_head} heads, width {m.n_embd},"
         f" context {m.block_size}, {m.dtype} compute",
-        f"mesh     {mesh.size} × {jax.devices()[0].platform}: data {mesh.shape['data']} × fsdp {mesh.shape['fsdp']}"
+        f"mesh     {mesh.size} × {jax.devices()[0].platform}: data {data} × fsdp {mesh.shape['fsdp']}"
         f" × tensor {mesh.shape['tensor']}, rules {cfg.mesh.rules} (~{per_device:,.1f} MiB of parameters per device)",
         f"data     {run.corpus.directory}: {meta.get('train_tokens', 0):,} train / {meta.get('val_tokens', 0):,}"
         " val tokens",

@@ -132,7 +132,9 @@ class TrainingLoop:
             restart_bar(self.bar, self.step)
             self.last_ready = self.last_done = 0.0
             return False
-        reached = log_call(self.run, self.bar, c.step, metrics, elapsed, self.peak)
+        # the call that compiled: its first execution also loads the program onto the devices, host work that
+        # returns late and so shortens `elapsed` (on a GPU it read as 155 % MFU): its speed is not reported
+        reached = log_call(self.run, self.bar, c.step, metrics, None if c.step == self.first else elapsed, self.peak)
         self.record_call(c, skipped, probed)
         self.profile.after_call(reached)
         if c.step == self.first:  # the first call compiled: the ETA counts from the calls after it
@@ -165,11 +167,14 @@ def restart_bar(bar, step: int) -> None:
     bar.initial = bar.n = bar.last_print_n = step
 
 
-def log_call(run: RunContext, bar, step: int, metrics: dict, elapsed: float, peak: float) -> int:
-    """Logs a call's steps (metrics.jsonl, wandb, the bar); returns the step reached."""
+def log_call(run: RunContext, bar, step: int, metrics: dict, elapsed: float | None, peak: float) -> int:
+    """Logs a call's steps (metrics.jsonl, wandb, the bar); returns the step reached. Speed is None for a call
+    whose time is not known (`elapsed` None)."""
     t, n = run.cfg.train, len(metrics["loss"])
-    tokens_per_s = n * t.batch_size * t.seq_len / elapsed
-    mfu = tokens_per_s * run.cfg.model.flops_per_token(t.seq_len) / peak
+    tokens_per_s = mfu = None
+    if elapsed is not None:
+        tokens_per_s = n * t.batch_size * t.seq_len / elapsed
+        mfu = tokens_per_s * run.cfg.model.flops_per_token(t.seq_len) / peak
     for i in range(n):
         step += 1
         record = {
@@ -187,7 +192,8 @@ def log_call(run: RunContext, bar, step: int, metrics: dict, elapsed: float, pea
                               " or gradient norm moved to a new level; the spike guard restarts its statistics")
         run.logger.log(record)
     bar.update(n)
-    bar.set_postfix(loss=f"{metrics['loss'][-1]:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{mfu:.1%}")
+    speed = {} if elapsed is None else {"tok_s": f"{tokens_per_s:,.0f}", "mfu": f"{mfu:.1%}"}
+    bar.set_postfix(loss=f"{metrics['loss'][-1]:.3f}", **speed)
     return step
 
 
