@@ -69,6 +69,8 @@ def test_a_gpu_topology_is_whole_nodes():
     (["--topology", "v4-32", "--run_dir", "gs://b/r", "--", "--run_dir=gs://b/other"],
      "give --run_dir to the launcher"),
     (["--topology", "v4-32", "--run_dir", "gs://b/r", "--name", "My_Pod"], "--name My_Pod: use lower-case"),
+    (["--topology", "v4-32", "--run_dir", "gs://b/r", "--num_slices", "2", "--", "--mesh.num_slices=4"],
+     "give --num_slices to the launcher"),
 ])
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, monkeypatch, flags, message):
     cloud = FakeCloud(tmp_path / "cloud")
@@ -119,7 +121,8 @@ def test_every_target_trains_on_every_host():
     assert all(line.count("--worker=all") == 1 for line in texts["tpu-vm"].splitlines() if "ssh" in line)
     assert "parallelism: 16" in texts["jobset-multislice"] and "replicas: 2" in texts["jobset-multislice"]
     assert "srun --ntasks-per-node=1" in texts["slurm"] and "--nodes=4" in texts["slurm"]
-    assert "--num-slices=4" in texts["xpk-multislice"]
+    assert "--num-slices=4" in texts["xpk-multislice"] and "--mesh.num_slices=4" in texts["xpk-multislice"]
+    assert "--aot v6e:8x8*2" in texts["jobset-multislice"]  # the launcher compiles both slices' program
 
 
 # ---- a host's place in the job -------------------------------------------------------------------------

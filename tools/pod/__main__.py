@@ -29,16 +29,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_fits(job: Job) -> None:
-    """Compiles the train call for one slice (its share of the batch) and refuses a program that does not fit."""
-    import dataclasses
-
+    """Compiles the train call for the topology (`v5e:16x16*2` for 2 slices) and refuses a program that does not
+    fit."""
     from tools.pod.cli import check_batch
     from trainer.perf.aot import compile_for_topology
 
     cfg = check_batch(job.train_args, job.num_slices)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
-                                                             batch_size=cfg.train.batch_size // job.num_slices))
-    report = compile_for_topology(cfg, job.slice.aot_topology)  # raises DoesNotFit in one line
+    report = compile_for_topology(cfg, job.aot_topology)  # raises DoesNotFit in one line
     print(report.text(), flush=True)
     if not report.fits:
         raise ConfigError(f"--topology {job.slice.name}: the train call needs {report.total_bytes / 2**30:.2f} GiB"

@@ -115,6 +115,9 @@ def check_batch(train_args: tuple[str, ...], num_slices: int):
             del argv[i: i + (1 if "=" in a else 2)]
             break
     cfg = parse(Config, argv, default=configs.load(name), prog="train.py")
+    if cfg.mesh.num_slices not in (1, num_slices):
+        raise ConfigError(f"--mesh.num_slices={cfg.mesh.num_slices} after -- but --num_slices {num_slices}: give"
+                          " --num_slices to the launcher (it passes --mesh.num_slices on)")
     if cfg.train.batch_size % num_slices:
         raise ConfigError(f"--num_slices {num_slices} does not divide train.batch_size {cfg.train.batch_size}:"
                           " each slice takes an equal share of the batch")
@@ -149,7 +152,7 @@ def print_plan(job: Job) -> None:
     p = plan(job)
     slices = f" x {job.num_slices} slices" if job.num_slices > 1 else ""
     print(f"# {job.slice.describe()}{slices}; {job.hosts} host(s) run train.py; hosts install {job.commit[:12]}")
-    print(f"# first, unless --skip_aot: python train.py --aot {job.slice.aot_topology} ...   (does it fit?)"
+    print(f"# first, unless --skip_aot: python train.py --aot {job.aot_topology} ...   (does it fit?)"
           if job.slice.is_tpu else "# no AOT check: it compiles for TPU topologies only")
     for name, text in p.files.items():
         print(f"# file {job.workdir / name}:\n{text}", end="")

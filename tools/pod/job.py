@@ -62,9 +62,17 @@ class Job:
                 f" git fetch -q origin; git checkout -q {self.commit}; python3 -m venv .venv;"
                 f" .venv/bin/pip install -q -e '.[{self.extras}]'{cuda}")
 
+    @property
+    def aot_topology(self) -> str:
+        """What `train.py --aot` compiles for: one slice's topology, `*N` for N slices."""
+        return self.slice.aot_topology + (f"*{self.num_slices}" if self.num_slices > 1 else "")
+
     def train_command(self) -> str:
-        """train.py through tools.pod.host, which sets JAX_PROCESS_ID etc. from what the platform gives the host."""
-        args = " ".join(shlex.quote(a) for a in (*self.train_args, f"--run_dir={self.run_dir}"))
+        """train.py through tools.pod.host, which sets JAX_PROCESS_ID etc. from what the platform gives the host;
+        several slices: the mesh's `data` axis spans them (--mesh.num_slices)."""
+        slices = (f"--mesh.num_slices={self.num_slices}",) if self.num_slices > 1 and not any(
+            a.startswith("--mesh.num_slices") for a in self.train_args) else ()
+        args = " ".join(shlex.quote(a) for a in (*self.train_args, *slices, f"--run_dir={self.run_dir}"))
         return f"cd {CHECKOUT} && .venv/bin/python -m tools.pod.host -- .venv/bin/python train.py {args}"
 
     def start_command(self) -> str:
