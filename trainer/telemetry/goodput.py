@@ -24,6 +24,7 @@ class Report:
     good_steps: int = 0
     lost_steps: int = 0
     skipped_steps: int = 0
+    relaunches: int = 0  # by the pod launcher (tools/pod), after a preemption or failure
     compiles: list[dict] = dataclasses.field(default_factory=list)
 
     @property
@@ -38,7 +39,8 @@ class Report:
         ends = ", ".join(f"{a['attempt']}: {a['how']}" for a in self.attempts)
         lines = [f"goodput  {self.goodput:.1%} of {_duration(self.wall)} wall time over {len(self.attempts)}"
                  f" attempt(s) ({ends}); {self.good_steps:,} steps kept, {self.lost_steps:,} lost,"
-                 f" {self.skipped_steps:,} skipped"]
+                 f" {self.skipped_steps:,} skipped"
+                 + (f"; {self.relaunches} relaunch(es) by tools.pod" if self.relaunches else "")]
         for name, value in sorted(self.seconds.items(), key=lambda kv: -kv[1]):
             if value > 0:
                 lines.append(f"  {name:<17}{_duration(value):>10}  {value / self.wall:6.1%}")
@@ -53,7 +55,8 @@ class Report:
     def summary(self) -> dict[str, float]:
         """Flat figures for wandb's run summary."""
         figures = {"goodput/goodput": self.goodput, "goodput/wall_s": self.wall,
-                   "goodput/lost_steps": self.lost_steps, "goodput/attempts": len(self.attempts)}
+                   "goodput/lost_steps": self.lost_steps, "goodput/attempts": len(self.attempts),
+                   "goodput/relaunches": self.relaunches}
         figures.update({f"goodput/{name}_s": value for name, value in self.seconds.items()})
         return figures
 
@@ -74,6 +77,9 @@ def report(records: list[dict]) -> Report:
     compiles = [r for r in records if r["event"] == "interval" and r["kind"] == "compile"]
     last_end = starts[0]["time"]
     for r in records:
+        if r["event"] == "relaunch":  # the launcher's note: the restart gap runs on to the next attempt's start
+            out.relaunches += 1
+            continue
         if r["event"] == "attempt_start" and r["attempt"] > 1:
             seconds["restart_gap"] += max(0.0, r["time"] - last_end)
         elif r["event"] in ("restored", "rolled_back"):
