@@ -2,6 +2,7 @@
 (no TPU needed) whose FLOPs, loops and collectives are known by hand, agreement with libtpu's own cost model
 where it gives one, and the real gpt2_124m train call on v5e:2x4."""
 
+import dataclasses
 import os
 import random
 
@@ -330,11 +331,15 @@ def test_the_report_gives_both_mfu_conventions_and_the_backtest_range():
     c = GPT2Config.gpt2()
     full, causal = c.flops_per_token(1024), c.flops_per_token(1024, causal=True)
     assert full - causal == 6 * 12 * 768 * 1024  # half of 12·L·D·T: the masked query-key pairs
-    e = StepTimeEstimate(chip=V5E, flops=0.0, hbm_bytes=0.0, compute_s=0.1, hbm_s=0.05, roofline_s=0.1,
+    e = StepTimeEstimate(chip=V5E, flops=0.0, hbm_bytes=0.0, compute_s=0.05, hbm_s=0.05, roofline_s=0.1,
                          collectives=(), model_flops=full * 1e4, causal_model_flops=causal * 1e4)
     assert e.predicted_mfu / e.predicted_mfu_causal == pytest.approx(full / causal)
     lo, hi = BACKTEST_BAND
     assert lo < 1 < hi
     assert f"expect {100 * lo:.0f}–{100 * hi:.0f} ms" in e.expected_range()
     assert f"MFU {e.predicted_mfu / hi:.0%}–{e.predicted_mfu / lo:.0%}" in e.expected_range()
+    # never faster than every resource at its peak (the lower bound): no MFU range past what the MXU allows
+    bound = dataclasses.replace(e, compute_s=0.095, roofline_s=0.1)
+    assert "expect 95–115 ms" in bound.expected_range()
+    assert f"–{bound.mfu_bound:.0%}" in bound.expected_range()
     assert any("causal pairs" in line for line in e.lines())
