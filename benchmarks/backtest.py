@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 
 import configs
 from configs.base import Config
@@ -114,7 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--entries", nargs="+", choices=[e.name for e in ENTRIES], default=[e.name for e in ENTRIES])
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # a test or another compile may hold libtpu's lock
     rows = []
     print(f"{'entry':<16} {'topology':<10} {'measured':>9} {'target':>8} {'predicted':>9} {'ratio':>6}"
           f"  {'libtpu VMEM':>11} {'ratio':>6}")
