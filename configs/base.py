@@ -397,6 +397,9 @@ def validate(c: Config) -> None:
         raise ConfigError("model.param_dtype=float16 cannot be trained: the optimizer state is kept in it and "
                           "underflows (the loss turns NaN within steps); use float32 or bfloat16, and "
                           "model.dtype for the compute")
+    if c.init_from is not None and c.model.parametrization == "mup":
+        raise ConfigError(f"--init_from {c.init_from}: Hugging Face GPT-2 weights are in the standard parametrization;"
+                          " model.parametrization=mup would read them with μP's multipliers (drop one of the two)")
     if t.seq_len > c.model.block_size:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.block_size={c.model.block_size}")
     if t.batch_size % t.grad_accum:

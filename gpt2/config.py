@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import jax
@@ -15,9 +16,13 @@ GPT2_VOCAB_SIZE = 50257  # r50k_base BPE ranks + <|endoftext|>
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 AttentionImpl = Literal["xla", "cudnn", "splash", "auto"]
 DType = Literal["float32", "bfloat16", "float16"]
+Parametrization = Literal["standard", "mup"]
 # Compute dtypes a backend can run where it is not all of DType: XLA:CPU has no float16 dot that accumulates in
 # float32, which jax.nn.dot_product_attention asks for (it failed inside the first train call).
 COMPUTE_DTYPES = {"cpu": ("float32", "bfloat16")}
+# μP's attention scores are q·k·α/K (Tensor Programs V, section 4: 1/K, not 1/√K); α = √64 makes them GPT-2's own
+# q·k/√K at its head dim of 64 (that of every GPT-2 size), so a μP model with K = 64 attends as the standard one.
+MUP_ATTENTION_MULT = 8.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +64,16 @@ class GPT2Config:
     # With document_mask: positions restart at 0 at every <|endoftext|>, so a packed document is embedded as if
     # it were alone (as at sampling time) — but wpe rows past the typical document length are then rarely trained.
     document_positions: bool = False
+    # "mup": the Maximal Update Parametrization (Yang et al. 2022, "Tensor Programs V"; docs/mup.md), so that the
+    # best learning rate found at width mup_base_width holds at n_embd. Relative to that base width (m = n_embd /
+    # mup_base_width): the hidden matrices' init std × 1/√m and Adam rate × 1/m, the logits × 1/m, attention
+    # scores × α/K. "standard": GPT-2's own (Hugging Face parity), whatever mup_base_width says.
+    parametrization: Parametrization = "standard"
+    mup_base_width: int = 256  # the tuned proxy's width: there every μP multiplier is 1
 
     def __post_init__(self):
         for name in ("vocab_size", "pad_vocab_to", "block_size", "n_layer", "n_head", "n_embd",
-                     "attention_query_blocks"):
+                     "attention_query_blocks", "mup_base_width"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
@@ -82,6 +93,7 @@ class GPT2Config:
         _check_choice("param_dtype", self.param_dtype, DType)
         _check_choice("remat", self.remat, RematPolicy)
         _check_choice("attention", self.attention, AttentionImpl)
+        _check_choice("parametrization", self.parametrization, Parametrization)
         for name in ("splash_block_q", "splash_block_kv"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 128:
@@ -96,6 +108,34 @@ class GPT2Config:
     def padded_vocab_size(self) -> int:
         m = self.pad_vocab_to
         return (self.vocab_size + m - 1) // m * m
+
+    # ---- μP (standard: m = 1, every multiplier 1 and the scale 1/√K) -------------------------------------
+    # As the `mup` package assigns them (tests/test_mup.py checks against it, parameter by parameter), in the
+    # MuReadout form of Tensor Programs V's Table 8. A hidden matrix (both dimensions grow with the width: c_attn,
+    # c_proj, c_fc) is initialized with std × 1/√m and learns at 1/m of Adam's rate (trainer/program/optimizer.py);
+    # wte, wpe, biases and norms keep their init and rate. The tied head: wte is also the readout, as in mup's
+    # MuSharedReadout, whose weight keeps the embedding's init and rate while its input is multiplied by 1/m.
+
+    @property
+    def width_mult(self) -> float:
+        """μP's width multiplier m = n_embd / mup_base_width (1 under the standard parametrization)."""
+        return self.n_embd / self.mup_base_width if self.parametrization == "mup" else 1.0
+
+    def hidden_init_std(self, std: float) -> float:
+        """The init std of a hidden matrix whose standard std is `std`: variance ∝ 1/fan_in under μP."""
+        return std / math.sqrt(self.width_mult)
+
+    @property
+    def logit_multiplier(self) -> float:
+        """What the readout's input (and so the logits) is multiplied by: MuReadout's 1/m."""
+        return 1.0 / self.width_mult
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of q·k: 1/√K, or μP's α/K."""
+        if self.parametrization == "mup":
+            return MUP_ATTENTION_MULT / self.head_dim
+        return 1.0 / math.sqrt(self.head_dim)
 
     @property
     def compute_dtype(self) -> jnp.dtype:

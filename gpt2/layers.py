@@ -69,21 +69,22 @@ class CausalSelfAttention(nnx.Module):
     def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, rules: ShardingRules | None = None):
         D, H, K = config.n_embd, config.n_head, config.head_dim
         dtypes = dict(dtype=config.compute_dtype, param_dtype=config.parameter_dtype)
-        # [D] -> [(q,k,v), H, K]
+        # [D] -> [(q,k,v), H, K]; a hidden matrix: GPT-2's std 0.02, × 1/√m under μP
         self.c_attn = nnx.LinearGeneral(
-            D, (3, H, K), use_bias=config.bias, kernel_init=normal(0.02),
+            D, (3, H, K), use_bias=config.bias, kernel_init=normal(config.hidden_init_std(0.02)),
             kernel_metadata=param_meta("embed", "qkv", "heads", "head_dim"),
             bias_metadata=param_meta("qkv", "heads", "head_dim"), rngs=rngs, **dtypes,
         )
         # [H, K] -> [D]; a residual projection: GPT-2 scales its init by 1/sqrt(2·n_layer)
         self.c_proj = nnx.LinearGeneral(
             (H, K), D, axis=(-2, -1), use_bias=config.bias,
-            kernel_init=normal(0.02 / math.sqrt(2 * config.n_layer)),
+            kernel_init=normal(config.hidden_init_std(0.02 / math.sqrt(2 * config.n_layer))),
             kernel_metadata=param_meta("heads", "head_dim", "embed"),
             bias_metadata=param_meta("embed"), rngs=rngs, **dtypes,
         )
         self.resid_dropout = nnx.Dropout(config.dropout)
         self.attention = config.attention
+        self.scale = config.attention_scale  # of q·k: 1/√K, or μP's α/K
         self.query_blocks = config.attention_query_blocks
         self.splash_blocks = (config.splash_block_q, config.splash_block_kv)  # a tuple: graph statics are hashed
         self.rules = rules
@@ -104,7 +105,7 @@ class CausalSelfAttention(nnx.Module):
         else:  # decoding: the prompt, then one token at a time, against the cache (small: dense is fine)
             k, v = _update_cache(cache, k, v, cache_index)  # each [B, S, H, K]
             cache = (k, v)
-            y = jax.nn.dot_product_attention(q, k, v, mask=_causal_mask(q, k, cache_index))
+            y = jax.nn.dot_product_attention(q, k, v, mask=_causal_mask(q, k, cache_index), scale=self.scale)
         y = self.c_proj(y)  # [B, T, D]
         y = self.resid_dropout(y, deterministic=dropout_key is None, rngs=dropout_key)
         return y, cache
@@ -113,18 +114,20 @@ class CausalSelfAttention(nnx.Module):
         implementation = attention_implementation(self.attention)
         if implementation == "splash":  # skips the masked blocks itself: query_blocks does not apply
             block_q, block_kv = self.splash_blocks
-            return splash_attention(q, k, v, segment_ids, block_q=block_q, block_kv=block_kv, rules=self.rules)
+            return splash_attention(q, k, v, segment_ids, scale=self.scale, block_q=block_q, block_kv=block_kv,
+                                    rules=self.rules)
         T, n = q.shape[1], self.query_blocks
         if n == 1 or T % n or segment_ids is not None:
             # The causal flag, not a materialized [T, T] mask, lets XLA/cuDNN kernels skip the work.
             mask = None if segment_ids is None else _same_segment(segment_ids)
-            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=self.scale,
+                                                implementation=implementation)
         size, outs = T // n, []
         for i in range(n):  # query block i sees keys [0, (i + 1)·size): the blocks right of it are all masked
             start, end = i * size, (i + 1) * size
             q_block, k_prefix = q[:, start:end], k[:, :end]
             outs.append(jax.nn.dot_product_attention(q_block, k_prefix, v[:, :end], implementation=implementation,
-                                                     mask=_causal_mask(q_block, k_prefix, start)))
+                                                     mask=_causal_mask(q_block, k_prefix, start), scale=self.scale))
         return jnp.concatenate(outs, axis=1)
 
 
@@ -166,13 +169,14 @@ class MLP(nnx.Module):
     def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
         D, F = config.n_embd, 4 * config.n_embd
         dtypes = dict(dtype=config.compute_dtype, param_dtype=config.parameter_dtype)
+        residual_std = config.hidden_init_std(0.02 / math.sqrt(2 * config.n_layer))  # as attn.c_proj's
         self.c_fc = nnx.Linear(
-            D, F, use_bias=config.bias, kernel_init=normal(0.02),
+            D, F, use_bias=config.bias, kernel_init=normal(config.hidden_init_std(0.02)),
             kernel_metadata=param_meta("embed", "mlp"), bias_metadata=param_meta("mlp"),
             rngs=rngs, **dtypes,
         )
         self.c_proj = nnx.Linear(
-            F, D, use_bias=config.bias, kernel_init=normal(0.02 / math.sqrt(2 * config.n_layer)),
+            F, D, use_bias=config.bias, kernel_init=normal(residual_std),
             kernel_metadata=param_meta("mlp", "embed"), bias_metadata=param_meta("embed"),
             rngs=rngs, **dtypes,
         )

@@ -133,9 +133,9 @@ class GPT2(nnx.Module):
         return x, cache
 
     def _head(self, x) -> jax.Array:  # [B, T, D] -> [B, T, V_padded]
-        x = self.ln_f(x)
-        logits = self.wte.attend(x)  # tied head: x @ wteᵀ
         c = self.config
+        x = self.ln_f(x) * c.logit_multiplier  # 1 (standard), or μP's 1/m: mup's MuSharedReadout multiplier
+        logits = self.wte.attend(x)  # tied head: x @ wteᵀ
         if c.padded_vocab_size != c.vocab_size:  # padded ids must never be predicted
             valid = jnp.arange(c.padded_vocab_size) < c.vocab_size
             logits = jnp.where(valid, logits, jnp.finfo(logits.dtype).min)

@@ -42,6 +42,7 @@ def splash_attention(
     v: jax.Array,  # [B, T, H, K]
     segment_ids: jax.Array | None,  # [B, T] int: a query sees only keys of its own segment; None: one segment
     *,
+    scale: float | None = None,  # the softmax scale of q·k; None: 1/√K (GPT-2's)
     block_q: int,
     block_kv: int,
     rules: ShardingRules | None,
@@ -62,7 +63,7 @@ def splash_attention(
     if pad:  # causal: the padded keys come after every real query, so none is ever attended to
         q, k, v = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))
         segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge")
-    q = q * (1 / math.sqrt(K))  # the kernel applies no softmax scale
+    q = q * (1 / math.sqrt(K) if scale is None else scale)  # the kernel applies no softmax scale
     make = functools.partial(_kernel, T + pad, H, _fit(block_q, T + pad), _fit(block_kv, T + pad),
                              interpret=target_platform() != "tpu")
     mesh = jax.sharding.get_abstract_mesh()

@@ -1,13 +1,16 @@
 """The optimizer: global-norm clipping, then AdamW (decay on matrices and embeddings only) on every parameter,
-or Muon on the hidden matrices and AdamW on the rest; warmup + cosine schedules."""
+or Muon on the hidden matrices and AdamW on the rest; warmup + cosine schedules. Under μP
+(model.parametrization=mup) AdamW's rate has a multiplier per parameter (`mup_lr_multipliers`)."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
 from configs.base import OptimConfig
+from gpt2.config import GPT2Config
 
 # Muon's matrices, by parameter path, and how each one's axes read as a matrix (counted from the end, so a
 # scanned [L, ...] weight is the same matrix with its layer axis as a batch axis: one orthogonalization per
@@ -59,9 +62,34 @@ def optimizer_of(params: nnx.State) -> nnx.State:
     return _by_path(params, lambda path, v: "muon" if muon_dimensions(path) else "adamw")
 
 
-def adamw(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    return optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                       weight_decay=cfg.weight_decay, mask=decay_mask)
+def mup_lr_multipliers(model: GPT2Config, params: nnx.State) -> nnx.State:
+    """μP's multiplier of Adam's learning rate for each parameter: 1/m for the hidden matrices (the four kernels
+    Muon would own: both their dimensions grow with the width), 1 for embeddings (wte is the tied readout too),
+    biases and norms; m = model.width_mult (so all 1 under the standard parametrization). The `mup` package's
+    MuAdamW: a matrix-like parameter's rate / width_mult, a vector-like one's unchanged."""
+    m = model.width_mult
+    return _by_path(params, lambda path, v: 1.0 / m if muon_dimensions(path) else 1.0)
+
+
+def scale_per_parameter(multipliers) -> optax.GradientTransformation:
+    """Multiplies each update by its parameter's entry in `multipliers(updates)` (a tree like the updates)."""
+    return optax.stateless(lambda updates, params: jax.tree.map(jnp.multiply, updates, multipliers(updates)))
+
+
+def adamw(cfg: OptimConfig, total_steps: int, model: GPT2Config | None = None) -> optax.GradientTransformation:
+    """optax.adamw; under μP with Adam's direction multiplied per parameter (`mup_lr_multipliers`) before the
+    decoupled weight decay is added, so a parameter's rate is lr · multiplier while its decay per step stays
+    lr · weight_decay: what mup's MuAdamW does (rate / m, weight decay × m, on torch's p ← p·(1 − rate·decay))."""
+    schedule = lr_schedule(cfg, total_steps)
+    if model is None or model.parametrization == "standard":
+        return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                           mask=decay_mask)
+    return optax.chain(
+        optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
+        scale_per_parameter(lambda updates: mup_lr_multipliers(model, updates)),
+        optax.add_decayed_weights(cfg.weight_decay, decay_mask),
+        optax.scale_by_learning_rate(schedule),
+    )
 
 
 def muon(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
@@ -73,10 +101,15 @@ def muon(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     )
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    update = adamw(cfg, total_steps)
+def make_optimizer(cfg: OptimConfig, total_steps: int, model: GPT2Config | None = None
+                   ) -> optax.GradientTransformation:
+    """The optimizer of a run; `model` (None: the standard parametrization) for μP's rate multipliers."""
     if cfg.name == "muon":
-        update = optax.partition({"muon": muon(cfg, total_steps), "adamw": update}, optimizer_of)
+        # μP's 1/m is for Adam on the hidden matrices, which are Muon's here: Muon's own max(1, fan_out/fan_in)^½
+        # (optax's scale_by_shape) sizes their updates, and every parameter AdamW keeps has multiplier 1
+        update = optax.partition({"muon": muon(cfg, total_steps), "adamw": adamw(cfg, total_steps)}, optimizer_of)
+    else:
+        update = adamw(cfg, total_steps, model)
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(), update)
 
 

@@ -44,7 +44,7 @@ class TrainProgram:
     @classmethod
     def build(cls, config: Config, mesh: Mesh) -> "TrainProgram":
         layout = ModelLayout.build(config.model, mesh, ShardingRules.preset(config.mesh.rules))
-        tx = make_optimizer(config.optim, config.train.steps)
+        tx = make_optimizer(config.optim, config.train.steps, config.model)
         params, param_shardings = layout.abstract_params, layout.param_shardings
         replicated = NamedSharding(mesh, PartitionSpec())
         # every copy of the parameter tree in the optimizer state (moments, momenta) is laid out as the
