@@ -248,11 +248,11 @@ def layer_outputs(model: GPT2, idx: jax.Array) -> dict[str, jax.Array]:
 
 
 def coordinate_check(parametrization: str, widths, *, tokens: np.ndarray, optimizer: str = "adamw",
-                     lr: float = 1e-2, steps: int = 4, n_layer: int = 2, n_head: int = 4, base_width: int = 256,
+                     lr: float = 3e-3, steps: int = 4, n_layer: int = 2, n_head: int = 4, base_width: int = 64,
                      batch: int = 4, seq: int = 32, vocab: int = 256, seed: int = 0) -> dict[int, dict[str, list]]:
     """Mean |activation| of every layer's output at each of `steps` training steps (step 0: at init; the
     optimizer at a constant `lr` from the first step, no clipping or decay), per width: {width: {layer: [..]}}.
-    The same batches (from `tokens`, ids < vocab) and seed at every width."""
+    The same batches (from `tokens`, ids < vocab) and seed at every width; μP based at the narrowest width."""
     data = windows(tokens, steps, batch, seq, seed)
     found = {}
     for width in widths:

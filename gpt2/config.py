@@ -69,7 +69,7 @@ class GPT2Config:
     # mup_base_width): the hidden matrices' init std × 1/√m and Adam rate × 1/m, the logits × 1/m, attention
     # scores × α/K. "standard": GPT-2's own (Hugging Face parity), whatever mup_base_width says.
     parametrization: Parametrization = "standard"
-    mup_base_width: int = 256  # the tuned proxy's width: there every μP multiplier is 1
+    mup_base_width: int = 128  # the tuned proxy's width, where every μP multiplier is 1 (docs/mup.md's sweep: 128)
 
     def __post_init__(self):
         for name in ("vocab_size", "pad_vocab_to", "block_size", "n_layer", "n_head", "n_embd",
