@@ -56,6 +56,14 @@ class HFCheckpointError(CheckpointError):
     """A Hugging Face checkpoint cannot be read; the message names the file."""
 
 
+def require_standard(config: GPT2Config, what: str) -> None:
+    """Hugging Face's GPT-2 is the standard parametrization: a μP model's readout and attention multipliers have
+    no place in it, and its weights mean something else under them."""
+    if config.parametrization != "standard":
+        raise HFCheckpointError(f"{what}: model.parametrization={config.parametrization}; Hugging Face's GPT-2 has no"
+                                " μP multipliers (logits × 1/m, attention α/K): only standard models convert")
+
+
 def config_from_hf(hf: dict, **overrides) -> GPT2Config:
     """Our config from an HF `config.json` dict."""
     if hf.get("model_type", "gpt2") != "gpt2":
@@ -99,6 +107,7 @@ def from_hf(
         config = config_from_hf(hf_config, **config_overrides)
     except HFCheckpointError as e:
         raise HFCheckpointError(f"{directory / 'config.json'}: {e}") from None
+    require_standard(config, str(directory))
     files = SafetensorsFiles(directory)
     rules = _resolve(rules)
     graphdef, state = nnx.split(abstract_model(config, rules))
@@ -121,6 +130,7 @@ def from_hf(
 def to_hf(model: GPT2, out_dir: str | os.PathLike) -> Path:
     """Writes `config.json` + `model.safetensors` that `transformers.GPT2LMHeadModel.from_pretrained` loads."""
     config = model.config
+    require_standard(config, str(out_dir))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}

@@ -6,6 +6,7 @@ compiles for a TPU topology."""
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -275,7 +276,7 @@ def _by_layer(found: dict[int, dict[str, list]]) -> dict[str, np.ndarray]:  # {l
     (dict(mup_base_width=0), "model.mup_base_width must be a positive integer, got 0"),
 ])
 def test_bad_mup_fields_name_the_field(kwargs, message):
-    with pytest.raises(ConfigError, match=re_escape(message)):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         GPT2Config.nano(**kwargs)
 
 
@@ -305,12 +306,6 @@ def test_a_checkpoint_records_its_parametrization_and_another_is_refused():
         check_compatible(old, mup_run, "ckpt")
 
 
-def re_escape(text: str) -> str:
-    import re
-
-    return re.escape(text)
-
-
 # ---- 5. the pod preset ----------------------------------------------------------------------------------
 
 
@@ -335,3 +330,16 @@ def test_the_mup_pod_preset_compiles_for_a_tpu_topology():
     assert cfg.model.width_mult == 2.0
     report = aot.compile_for_topology(cfg, "v5e:2x2")
     assert "fits in HBM" in report.text() and report.step_time is not None
+
+
+def test_hugging_face_conversion_refuses_a_mup_model_in_one_line(tmp_path):
+    pytest.importorskip("transformers")
+    from gpt2.hf import HFCheckpointError, from_hf, to_hf
+
+    model = GPT2(dataclasses.replace(BASE, n_embd=128), rngs=nnx.Rngs(0))
+    with pytest.raises(HFCheckpointError, match="model.parametrization=mup; Hugging Face's GPT-2 has no μP"):
+        to_hf(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    to_hf(GPT2(dataclasses.replace(BASE, parametrization="standard"), rngs=nnx.Rngs(0)), tmp_path / "sp")
+    with pytest.raises(HFCheckpointError, match="only standard models convert"):
+        from_hf(tmp_path / "sp", parametrization="mup", mup_base_width=64)

@@ -22,7 +22,7 @@ from configs.base import CheckpointConfig
 from configs.cli import parse
 from data.tokenizer import VOCAB_SIZE, save_hf_tokenizer
 from errors import CheckpointError, ConfigError, one_line_errors
-from gpt2.hf import to_hf
+from gpt2.hf import require_standard, to_hf
 from gpt2.sharding import ShardingRules, make_mesh
 from trainer.program.layout import ModelLayout
 from trainer.storage.checkpoints import Checkpoints, config_from_meta
@@ -76,10 +76,7 @@ def export(run_dir: str, out: str, *, step: int | None = None) -> Path:
             raise CheckpointError(f"{ckpt.directory}: no checkpoint at step {step}; steps: {steps}")
         step = steps[-1] if step is None else step
         model_config = config_from_meta(ckpt.read_meta(step), ckpt.path(step)).model
-        if model_config.parametrization != "standard":
-            raise ConfigError(f"{ckpt.path(step)}: model.parametrization={model_config.parametrization}; Hugging"
-                              " Face's GPT-2 has no μP multipliers (logits × 1/m, attention α/K): only standard runs"
-                              " export")
+        require_standard(model_config, str(ckpt.path(step)))  # before any restore
         if model_config.vocab_size != VOCAB_SIZE:
             raise ConfigError(f"{ckpt.path(step)}: model.vocab_size={model_config.vocab_size} is not GPT-2's"
                               f" {VOCAB_SIZE}; the GPT-2 tokenizer files would not fit it")
