@@ -10,7 +10,7 @@ from pathlib import Path
 
 from errors import ConfigError
 
-_NOT_PRESETS = {"base", "cli", "eval"}
+_NOT_PRESETS = {"base", "cli", "eval", "fields", "plan"}
 PRESETS = sorted(
     m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if m.name not in _NOT_PRESETS
 )
@@ -22,6 +22,14 @@ def load(name: str):
     if name not in PRESETS:
         raise ConfigError(f"unknown config {name!r}; choose one of {PRESETS}")
     return importlib.import_module(f"configs.{name}").CONFIG
+
+
+def extend(base, **changes):
+    """`base` with `changes`: a field's new value, or for a nested config a dict of its changed fields
+    (`model=dict(n_layer=24)`). A preset that extends another lists only what differs, as nanoGPT's config files
+    do."""
+    nested = {k: dataclasses.replace(getattr(base, k), **v) for k, v in changes.items() if isinstance(v, dict)}
+    return dataclasses.replace(base, **{**changes, **nested})
 
 
 def from_dict(d: dict, cls: type | None = None):

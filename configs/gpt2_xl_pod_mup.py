@@ -1,6 +1,6 @@
 """GPT-2 XL (1.5B) on a TPU v5e-256 pod in μP, its learning rate taken from a CPU sweep (docs/mup.md).
 
-Everything but the parametrization and optim.lr is gpt2_xl_pod's (sizing: that preset and docs/aot_planning.md).
+gpt2_xl_pod's run (sizing: that preset and docs/aot_planning.md) with μP and optim.lr from the sweep.
 `python -m benchmarks.mup_transfer` swept AdamW's rate on a 2-layer proxy on the embedded corpus at widths 64,
 128 and 256 with μP based at width 128: the best rate was 2^-9 ≈ 1.95e-3 at every width (under the standard
 parametrization it moved 4×, from 3.9e-3 to 9.8e-4). μP carries it to width 1600 from the same base width
@@ -10,13 +10,12 @@ not cover — 48 layers against 2, 1M tokens per step against 512, 30,000 steps 
 measure either (docs/mup.md, "What the sweep does not show").
 """
 
-import dataclasses
+from configs import extend
+from configs.gpt2_xl_pod import CONFIG as GPT2_XL_POD
 
-from configs.gpt2_xl_pod import CONFIG as STANDARD
-
-CONFIG = dataclasses.replace(
-    STANDARD,
+CONFIG = extend(
+    GPT2_XL_POD,
     run_dir="runs/gpt2_xl_mup",
-    model=dataclasses.replace(STANDARD.model, parametrization="mup", mup_base_width=128),
-    optim=dataclasses.replace(STANDARD.optim, lr=2**-9),  # the sweep's best: docs/mup.md, "The sweep"
+    model=dict(parametrization="mup", mup_base_width=128),
+    optim=dict(lr=2**-9),  # the sweep's best: docs/mup.md, "The sweep"
 )

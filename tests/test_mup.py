@@ -272,8 +272,8 @@ def _by_layer(found: dict[int, dict[str, list]]) -> dict[str, np.ndarray]:  # {l
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(parametrization="mu-p"), "model.parametrization must be one of ['standard', 'mup'], got 'mu-p'"),
-    (dict(mup_base_width=0), "model.mup_base_width must be a positive integer, got 0"),
+    (dict(parametrization="mu-p"), "--model.parametrization must be one of standard, mup, got 'mu-p'"),
+    (dict(mup_base_width=0), "--model.mup_base_width must be an integer > 0, got 0"),
 ])
 def test_bad_mup_fields_name_the_field(kwargs, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -319,10 +319,10 @@ def test_the_mup_pod_preset_takes_its_rate_from_the_cpu_sweep():
 @pytest.mark.slow
 def test_the_mup_pod_preset_compiles_for_a_tpu_topology():
     """gpt2_xl_pod_mup's train call (μP's optimizer chain and multipliers, its mesh rules), shrunk to one layer at
-    width 256 (m = 2), compiles for v5e:2x2 as `--aot` compiles it."""
+    width 256 (m = 2), compiles for v5e:2x2 as `plan.py --topology` compiles it."""
     pytest.importorskip("libtpu", reason="the `tpu` extra brings libtpu")
     from configs.cli import parse
-    from trainer.perf import aot
+    from planning import aot
 
     small = ["--model.n_layer=1", "--model.n_head=4", "--model.n_embd=256", "--model.block_size=128",
              "--model.vocab_size=512", "--train.seq_len=128", "--train.batch_size=8", "--train.steps_per_call=1"]
