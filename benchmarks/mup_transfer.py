@@ -1,15 +1,15 @@
 """μP's promise, measured on CPU: the best learning rate found at one width holds at the others.
 
-    nice -n 5 python -m benchmarks.mup_transfer                # the sweep of docs/mup.md (~40 min on 2 cores)
-    python -m benchmarks.mup_transfer --coord_check            # mean |activation| per layer, widths 64 → 1024
-    python -m benchmarks.mup_transfer --widths 64 128 --steps 40 --lrs 0.004 0.016 --out /tmp/mup   # a smoke run
+    nice -n 5 python -m benchmarks.mup_transfer --out docs/mup   # the sweep of docs/mup.md (2,523 s, 2 shared cores)
+    python -m benchmarks.mup_transfer --coord_check --out docs/mup   # mean |activation| per layer, widths 64 → 1024
+    python -m benchmarks.mup_transfer --widths 64 128 --steps 20 --lrs 0.004 0.016 --out /tmp/mup   # a smoke run
 
 The sweep trains the same GPT-2 (depth, heads, tokens, batches and seed the same; only the width differs) at each
 width and learning rate, under the standard parametrization and μP, with AdamW (`optim.lr`) and with Muon
-(`optim.muon_lr`; AdamW keeps the embeddings, norms and biases at the fixed `--muon_adamw_lr`), through the
-trainer's own train call (trainer/program/train_program.py), and records the validation loss after the last step.
-It writes `<out>/mup_transfer.json` (every run; a re-run skips the runs already there), `mup_transfer.md` (the
-table) and `mup_transfer.png` (validation loss vs learning rate, one line per width).
+(`optim.muon_lr`; AdamW keeps the embeddings, norms and biases at MUON_ADAMW_LR), with the trainer's optimizer
+(trainer/program/optimizer.py: make_optimizer), and records the validation loss after the last step. It writes
+`<out>/mup_transfer.json` (every run; a re-run skips the runs already there), `mup_transfer.md` (the table) and
+`mup_transfer.png` (validation loss vs learning rate, one line per width).
 
 The corpus is the embedded Shakespeare (data/assets), its GPT-2 token ids renumbered by frequency and cut to a
 vocabulary of 4,096 (the rarer 6 % of the tokens share the last id): with GPT-2's 50,257 the tied head would cost
