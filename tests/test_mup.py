@@ -31,6 +31,17 @@ BASE = GPT2Config(vocab_size=64, block_size=16, n_layer=2, n_head=1, n_embd=64, 
 WIDE = dataclasses.replace(BASE, n_embd=256, n_head=2)
 
 
+@pytest.fixture(scope="module")
+def wide() -> GPT2:
+    return GPT2(WIDE, rngs=nnx.Rngs(0))
+
+
+def random_like(params, seed: int):
+    """Standard-normal arrays shaped as `params` (NumPy's: no per-shape JAX compilation)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: rng.standard_normal(x.shape, dtype=np.float32), params)
+
+
 def flat(state) -> dict[tuple, np.ndarray]:
     return {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(state)}
 
@@ -114,11 +125,11 @@ def torch_params(model: TorchGPT2) -> dict[str, "torch.nn.Parameter"]:
 # ---- 1. the oracle -------------------------------------------------------------------------------
 
 
-def test_init_stds_rate_multipliers_and_readout_equal_the_mup_packages():
-    ours = flat(nnx.state(GPT2(WIDE, rngs=nnx.Rngs(0)), nnx.Param))
+def test_init_stds_rate_multipliers_and_readout_equal_the_mup_packages(wide):
+    ours = flat(nnx.state(wide, nnx.Param))
     theirs = torch_params(ref := reference(WIDE))
     assert {torch_name(p) for p in ours} == set(theirs)
-    multipliers = flat(mup_lr_multipliers(WIDE, nnx.state(GPT2(WIDE, rngs=nnx.Rngs(0)), nnx.Param)))
+    multipliers = flat(mup_lr_multipliers(WIDE, nnx.state(wide, nnx.Param)))
     groups = mup.MuAdamW(theirs.values(), lr=1.0).param_groups  # lr 1: a group's lr is the multiplier
     rate = {id(p): g["lr"] for g in groups for p in g["params"]}
     for path, value in ours.items():
@@ -138,10 +149,10 @@ def test_init_stds_rate_multipliers_and_readout_equal_the_mup_packages():
     assert ref.lm_head.width_mult() == 4.0 == 1 / WIDE.logit_multiplier
 
 
-def test_forward_pass_equals_the_references_with_our_weights():
+def test_forward_pass_equals_the_references_with_our_weights(wide):
     """Our logits = the reference's (MuSharedReadout's 1/width_mult, attention attn_mult / d_head) with our
     weights copied in: the multipliers sit where mup puts them."""
-    model = GPT2(WIDE, rngs=nnx.Rngs(0))
+    model = wide
     ref = reference(WIDE)
     with torch.no_grad():
         for path, value in flat(nnx.state(model, nnx.Param)).items():
@@ -153,12 +164,12 @@ def test_forward_pass_equals_the_references_with_our_weights():
     assert np.abs(expected).max() > 1e-2  # not trivially small logits
 
 
-def test_two_adamw_steps_equal_mup_muadamw_parameter_by_parameter():
+def test_two_adamw_steps_equal_mup_muadamw_parameter_by_parameter(wide):
     """The same weights and gradients through make_optimizer (μP) and mup.MuAdamW (decay on matrices and
     embeddings only, as ours): the parameters after two steps agree, so each parameter's rate and decoupled
     weight decay are MuAdamW's (rate / m, decay × m)."""
     cfg = OptimConfig(lr=3e-3, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.1, grad_clip=0.0)
-    params = nnx.state(GPT2(WIDE, rngs=nnx.Rngs(0)), nnx.Param)
+    params = nnx.state(wide, nnx.Param)
     tx = make_optimizer(cfg, 10, WIDE)
     opt_state, update = tx.init(params), jax.jit(tx.update)
     ref = reference(WIDE)
@@ -171,14 +182,13 @@ def test_two_adamw_steps_equal_mup_muadamw_parameter_by_parameter():
     others = [p for n, p in theirs.items() if not (n.endswith("weight") and p.dim() == 2)]
     opt = mup.MuAdamW([{"params": decayed}, {"params": others, "weight_decay": 0.0}], lr=cfg.lr,
                       betas=(cfg.b1, cfg.b2), eps=cfg.eps, weight_decay=cfg.weight_decay)
-    keys = iter(jax.random.split(jax.random.PRNGKey(1), 2 * len(ours)))
-    for _ in range(2):
-        grads = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape), params)
+    for seed in range(2):
+        grads = random_like(params, seed)
         for path, g in flat(grads).items():
             theirs[torch_name(path)].grad = torch.from_numpy(to_torch_layout(path, g).copy())
         opt.step()
         updates, opt_state = update(grads, opt_state, params)
-        params = jax.tree.map(jnp.add, params, updates)
+        params = jax.tree.map(np.add, params, updates)
     for path, value in flat(params).items():
         np.testing.assert_allclose(to_torch_layout(path, value), theirs[torch_name(path)].detach().numpy(),
                                    rtol=0, atol=2e-7, err_msg=str(path))
@@ -186,14 +196,14 @@ def test_two_adamw_steps_equal_mup_muadamw_parameter_by_parameter():
     assert moved[("h", 0, "mlp", "c_fc", "kernel")] == pytest.approx(moved[("wte", "embedding")] / 4, rel=0.05)
 
 
-def test_muon_scales_each_hidden_matrix_as_keller_jordans_muon():
+def test_muon_scales_each_hidden_matrix_as_keller_jordans_muon(wide):
     """One Muon step on each hidden matrix equals Keller Jordan's `muon_update` (the `muon-optimizer` package)
     on the same gradient laid out as torch's [out, in] (q, k and v as three matrices): its
     max(1, fan_out/fan_in)^½ is 2 for c_fc (D -> 4D) and 1 for the others, and μP adds no 1/m to it."""
     muon_reference = pytest.importorskip("muon", reason="Keller Jordan's Muon (`muon-optimizer`) is a dev extra")
     cfg = OptimConfig(name="muon", muon_lr=0.02, warmup_steps=0, min_lr_ratio=1.0, grad_clip=0.0)
-    params = nnx.state(GPT2(WIDE, rngs=nnx.Rngs(0)), nnx.Param)
-    grads = jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(x.size), x.shape), params)
+    params = nnx.state(wide, nnx.Param)
+    grads = random_like(params, 0)
     tx = make_optimizer(cfg, 10, WIDE)
     updates = flat(jax.jit(tx.update)(grads, tx.init(params), params)[0])
     D = WIDE.n_embd
