@@ -32,7 +32,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from configs.base import Config, OptimConfig, TrainConfig
+from configs.base import Config, DataConfig, OptimConfig, TrainConfig
 from gpt2 import GPT2Config
 from gpt2.model import GPT2, next_token_loss
 from trainer.program.optimizer import make_optimizer, optimizer_of
@@ -75,7 +75,7 @@ def compact_corpus(vocab: int = VOCAB) -> tuple[np.ndarray, np.ndarray]:
     become 0, 1, ...; every other id becomes vocab - 1."""
     from data.prepare import prepare_shakespeare
 
-    directory = prepare_shakespeare(Path("~/.cache/gpt2_nnx/shakespeare").expanduser(), quiet=True)
+    directory = prepare_shakespeare(Path(DataConfig().cache_dir).expanduser(), quiet=True)
     train, val = (np.fromfile(Path(directory) / f"{split}.bin", dtype="<u2") for split in ("train", "val"))
     ids, counts = np.unique(train, return_counts=True)
     kept = ids[np.argsort(-counts, kind="stable")[: vocab - 1]]
@@ -96,9 +96,9 @@ def windows(tokens: np.ndarray, n: int, batch: int, seq: int, seed: int) -> np.n
 def train_lanes(proxy: Proxy, optimizer: str, parametrization: str, width: int, lrs: list[float],
                 train: np.ndarray, val: np.ndarray) -> list[dict]:
     """One run per learning rate, all in one program (vmapped over the rates: one compilation per width, not per
-    run): the same init, batches `train` ([steps, B, T + 1]) and optimizer (make_optimizer, the trainer's own:
-    clipping, warmup and cosine, μP's multipliers) as `train.py` with this config; each run's mean validation
-    loss over `val` ([n, B, T + 1]) after the last step, inf if it diverged."""
+    run), each from the same init on the same batches `train` ([steps, B, T + 1]) with train.py's optimizer
+    (make_optimizer: clipping, warmup and cosine, μP's multipliers); each run's mean validation loss over `val`
+    ([n, B, T + 1]) after the last step, inf if it diverged."""
     cfg = proxy.config(optimizer, parametrization, width, 1.0)
     graphdef, params = nnx.split(GPT2(cfg.model, rngs=nnx.Rngs(proxy.seed)))
     # The swept rate enters the update linearly (optax.scale_by_learning_rate of a warmup-cosine schedule, linear
