@@ -24,7 +24,7 @@ from trainer.eval.tasks import check_tasks
 from trainer.processes import failing_together, initialize_distributed, is_process_0, on_process_0, say
 from trainer.program.mesh import build_mesh
 from trainer.program.optimizer import parameters_per_optimizer
-from trainer.program.train_program import TrainProgram
+from trainer.program.train_program import STATE_FORMAT, TrainProgram
 from trainer.run.context import RunContext
 from trainer.run.data_position import corpus_identity
 from trainer.run.loop import TrainingLoop
@@ -147,7 +147,8 @@ def start_up(run: RunContext, restored: Restored, wandb_mode: str) -> None:
                                start_step=start, rollbacks=saved.get("rollbacks", 0))
     run.ckpt.before_save(run.logger.sync)  # a checkpoint's records are durable before it can exist
     run.meta = {"config": config, "wandb_id": run.logger.wandb_id, "wandb_mode": wandb_mode,
-                "corpus": corpus_identity(run.corpus), "rollbacks": saved.get("rollbacks", 0)}
+                "corpus": corpus_identity(run.corpus), "rollbacks": saved.get("rollbacks", 0),
+                "state_format": STATE_FORMAT}
 
 
 def summary(run: RunContext, start: int, wandb_mode: str) -> str:

@@ -129,7 +129,7 @@ class TrainingLoop:
         metrics = {k: v[: c.n] if np.ndim(v) else v for k, v in jax.device_get(c.metrics).items()}  # waits
         ready = time.perf_counter()
         elapsed, self.last_ready = ready - max(c.dispatched, self.last_ready), ready
-        skipped = int(np.sum(metrics["skipped"])) if self.run.program.guarded else 0
+        skipped = int(np.sum(metrics["skipped"]))
         checked = time.time()
         problem = health(self.run, self.state, metrics, c.step, c.batches[c.n - 1] if probe else None)
         probed = (checked, time.time()) if probe else None  # the pre-save probe (a forward pass): checkpoint work
@@ -204,16 +204,14 @@ def log_call(run: RunContext, bar, step: int, metrics: dict, elapsed: float | No
         record = {
             "step": step, "loss": number(metrics["loss"][i]), "lr": float(metrics["lr"][i]),
             "grad_norm": number(metrics["grad_norm"][i]), "tokens": step * t.batch_size * t.seq_len,
-            "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_flops": peak,
+            "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_flops": peak, "skipped": int(metrics["skipped"][i]),
         }
-        if run.program.guarded:
-            record["skipped"] = int(metrics["skipped"][i])
-            if record["skipped"] and run.logger.active:
-                bar.write(f"step {step}: update skipped by the spike guard (loss {record['loss']}, grad_norm"
-                          f" {record['grad_norm']})")
-                if int(metrics["streak"][i]) == run.cfg.guard.warmup:
-                    bar.write(f"step {step}: {run.cfg.guard.warmup} steps in a row skipped (guard.warmup): the loss"
-                              " or gradient norm moved to a new level; the spike guard restarts its statistics")
+        if record["skipped"] and run.logger.active:
+            bar.write(f"step {step}: update skipped by the spike guard (loss {record['loss']}, grad_norm"
+                      f" {record['grad_norm']})")
+            if int(metrics["streak"][i]) == run.cfg.guard.warmup:
+                bar.write(f"step {step}: {run.cfg.guard.warmup} steps in a row skipped (guard.warmup): the loss"
+                          " or gradient norm moved to a new level; the spike guard restarts its statistics")
         run.logger.log(record)
     bar.update(n)
     speed = {} if elapsed is None else {"tok_s": f"{tokens_per_s:,.0f}", "mfu": f"{mfu:.1%}"}

@@ -31,9 +31,9 @@ def health(run: RunContext, state, metrics: dict, step: int, probe_batch) -> str
     next forward pass). With the spike guard a non-finite step is skipped, not fatal, and a streak of skipped
     steps asks for a rollback.
     """
-    guarded = run.program.guarded
-    bad = ~(np.isfinite(metrics["loss"]) & np.isfinite(metrics["grad_norm"]))
-    if bad.any() and not guarded:
+    # a non-finite step the spike guard did not skip (with the guard off, it skips none)
+    bad = ~(np.isfinite(metrics["loss"]) & np.isfinite(metrics["grad_norm"])) & (metrics["skipped"] == 0)
+    if bad.any():
         i = int(np.argmax(bad))
         return (f"training diverged at step {step + i + 1} (loss {metrics['loss'][i]}, grad_norm"
                 f" {metrics['grad_norm'][i]})")
@@ -41,7 +41,7 @@ def health(run: RunContext, state, metrics: dict, step: int, probe_batch) -> str
     if not metrics["state_finite"]:
         return f"training diverged: the parameters or optimizer moments are not finite after step {step + n}"
     g = run.cfg.guard
-    if guarded and g.rollback_after is not None and (metrics["streak"] >= g.rollback_after).any():
+    if g.rollback_after is not None and (metrics["streak"] >= g.rollback_after).any():
         at = step + int(np.argmax(metrics["streak"] >= g.rollback_after)) + 1
         return f"the spike guard skipped {g.rollback_after} steps in a row (steps {at - g.rollback_after + 1}-{at})"
     if probe_batch is not None and not np.isfinite(float(run.program.evaluator.loss_call(state["params"],
@@ -69,8 +69,7 @@ def roll_back(run: RunContext, problem: str, abandoned_to: int) -> tuple[dict, i
     if found is None:
         raise Diverged(f"{problem}; no checkpoint to roll back to")
     back, _, state = found
-    if run.program.guarded:
-        state["guard"] = without_streak(state["guard"])
+    state["opt_state"] = without_streak(state["opt_state"])
     for _ in range(g.rollback_skip):
         next(run.train_iter)
     # metrics.jsonl keeps the trajectory the parameters took (as after a resume), and a record of the rollback
