@@ -11,7 +11,8 @@ import pytest
 
 from conftest import ROOT
 from configs.base import CheckpointConfig, Config, GuardConfig, OptimConfig, TrainConfig
-from gpt2 import GPT2Config, make_mesh
+from gpt2 import GPT2Config
+from trainer.program.mesh import make_mesh
 from trainer.program.train_program import TrainProgram
 from trainer.storage.checkpoints import Checkpoints
 

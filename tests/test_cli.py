@@ -216,7 +216,7 @@ def test_cli_eval_on_other_device_counts_matches(request, source, devices):
 @pytest.mark.slow
 def test_cli_eval_all_checkpoints_compiles_once_and_samples(k4_run, tmp_path, monkeypatch):
     """In-process, to see the executable: `--all` reuses one compiled loss call for every checkpoint."""
-    from trainer.program import eval_call as evaluation
+    from trainer.program import evaluator as evaluation
 
     built = []
     build = evaluation.Evaluator.build

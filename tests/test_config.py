@@ -8,7 +8,8 @@ import pytest
 import configs
 from configs.base import Config
 from errors import ConfigError
-from gpt2 import GPT2Config, ShardingRules, make_mesh
+from gpt2 import GPT2Config, ShardingRules
+from trainer.program.mesh import make_mesh
 from gpt2.sharded_init import abstract_model
 
 

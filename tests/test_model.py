@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gpt2 import GPT2, GPT2Config, create_sharded_model, make_mesh, param_report
+from gpt2 import GPT2, GPT2Config, create_sharded_model, param_report
+from trainer.program.mesh import make_mesh
 from gpt2.generate import generate
 from gpt2.layers import CausalSelfAttention
 from gpt2.sharding import RULES, ShardingRules, logical_axes_of

@@ -25,7 +25,8 @@ import eval as eval_app
 import train as train_app
 from configs.base import Config, GuardConfig, OptimConfig, TrainConfig
 from conftest import ROOT, SMALL, checkpoint_steps, cli_env, last_line, read_jsonl, run_main
-from gpt2 import GPT2Config, make_mesh
+from gpt2 import GPT2Config
+from trainer.program.mesh import make_mesh
 from trainer.program.train_program import TrainProgram
 from trainer.storage.checkpoints import Checkpoints
 from trainer.telemetry import goodput

@@ -18,7 +18,7 @@ from configs.base import Config
 from gpt2.model import GPT2, next_token_loss
 from gpt2.sharded_init import create_sharded_model
 from gpt2.sharding import ShardingRules
-from trainer.program.eval_call import Evaluator
+from trainer.program.evaluator import Evaluator
 from trainer.program.layout import ModelLayout
 from trainer.program.optimizer import lr_schedule, make_optimizer
 from trainer.program.spike_guard import SpikeGuardState, all_finite, init_stats, spike_guard, step_report
