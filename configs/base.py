@@ -102,8 +102,9 @@ class TrainConfig(Checked, section="train"):
         "evaluate the validation loss every this many steps (0: only at the last step, where an evaluation"
         " always runs)", ge=0)] = 100
     eval_batches: Annotated[int, Field("validation batches per evaluation", ge=1)] = 10
-    sample_prompt: Annotated[str, Field(
-        "text sampled from at the end of training (it must fit model.block_size)")] = "ROMEO:"
+    sample_prompt: Annotated[str | None, Field(
+        "text sampled from at the end of training (it must fit model.block_size); None: \"ROMEO:\" on the embedded"
+        " Shakespeare corpus, an unconditional sample (from <|endoftext|>) on any other")] = None
     sample_tokens: Annotated[int, Field(
         "tokens generated for that sample (0: no sample); past model.block_size each is sampled from the last"
         " block_size tokens, as nanoGPT does", ge=0)] = 100

@@ -18,7 +18,7 @@ from data.loader import make_dataset
 from errors import UserError
 from gpt2.config import check_compute_dtype
 from gpt2.sharded_init import param_report, visualize_param
-from trainer.corpus import resolve_corpus, train_loader_config
+from trainer.corpus import EMBEDDED, resolve_corpus, train_loader_config
 from trainer.eval.sampling import prompt_that_fits, sample
 from trainer.eval.tasks import check_tasks
 from trainer.processes import failing_together, initialize_distributed, is_process_0, on_process_0, say
@@ -219,9 +219,10 @@ def check_eval_tasks(cfg: Config) -> None:
 
 
 def sample_prompt(cfg: Config) -> list[int]:
-    context = cfg.model.block_size
-    return prompt_that_fits(cfg.train.sample_prompt, context, prompt_flag="train.sample_prompt",
-                            context=f"model.block_size={context}")
+    context, prompt = cfg.model.block_size, cfg.train.sample_prompt
+    if prompt is None:  # "" starts from <|endoftext|>
+        prompt = "ROMEO:" if cfg.data.dataset == EMBEDDED else ""
+    return prompt_that_fits(prompt, context, prompt_flag="train.sample_prompt", context=f"model.block_size={context}")
 
 
 def sample_text(cfg: Config, program: TrainProgram, state) -> str:
