@@ -221,7 +221,12 @@ class DistributedConfig:
       process_id: this process's index.
       heartbeat_timeout_seconds: a process missing this long (>= 1 s) is declared dead and the others exit
         with an error instead of waiting forever.
-      initialization_timeout: seconds to wait for every process to join (>= 1).
+      initialization_timeout: seconds to wait for every process to join (>= 1): then every process that can ends
+        in one line naming those that did not check in (trainer/rollcall.py).
+      startup_timeout_seconds: seconds from the job's forming by which every process must have finished its
+        first train call (restore, build, compile: minutes on a pod; >= 0, 0: unbounded; several processes
+        only). A process late to a start-up point (an agreement, the first call) is named in one line on every
+        process; one stuck inside its first call ends itself 30 s after.
       stall_timeout_seconds: end the job when no train call has finished for this long (>= 0 s; one process
         too): each process that can still act writes its threads' stacks to <run_dir>/logs/stacks.<i>.txt and
         exits 2 with one line. None: max(stall_floor_seconds, 20 × the median call time), counted from the
@@ -236,6 +241,7 @@ class DistributedConfig:
     process_id: int | None = None
     heartbeat_timeout_seconds: int = 100
     initialization_timeout: int = 300
+    startup_timeout_seconds: float = 1800.0
     stall_timeout_seconds: float | None = None
     stall_floor_seconds: float = 300.0
 
@@ -390,6 +396,7 @@ def validate(c: Config) -> None:
     if d.stall_timeout_seconds is not None:
         _real("distributed.stall_timeout_seconds", d.stall_timeout_seconds, low=0)
     _real("distributed.stall_floor_seconds", d.stall_floor_seconds, low=0, low_open=True)
+    _real("distributed.startup_timeout_seconds", d.startup_timeout_seconds, low=0)
     if t.peak_flops is not None:
         _real("train.peak_flops", t.peak_flops, low=0, low_open=True)
     if c.model.param_dtype == "float16":

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from configs.base import Config
 from trainer.corpus import val_dataset
 from trainer.hardware import peak_flops_per_device
+from trainer.processes import first_call_finished, start_up_point
 from trainer.run.context import RunContext
 from trainer.run.data_position import rows_consumed_or_none
 from trainer.run.preemption import Preemption
@@ -86,6 +87,8 @@ class TrainingLoop:
         while self.step < self.stop:
             n = steps_this_call(self.step, self.stop, self.cfg)
             batches, active = self.next_batches(n, waiting=pending is None)
+            if self.calls == 0:
+                start_up_point("its first train call")  # every process there, or the late ones named
             self.profile.before_call(self.step, n)
             accounted_from = self.run.timeline.mark  # the first call compiles: the timeline carves that out
             self.state, metrics = call(self.state, batches, active)
@@ -150,6 +153,7 @@ class TrainingLoop:
         self.profile.after_call(reached)
         if c.step == self.first:  # the first call compiled: the ETA counts from the calls after it
             restart_bar(self.bar, reached)
+            first_call_finished()
         self.watchdog.beat(None if c.step == self.first else elapsed)  # a compile is no call time
         return True
 
