@@ -9,7 +9,8 @@ CPU devices, its own home directory and what its real platform gives it (no PYTH
   64, or FAKE_CLOUD_SSH_BATCH), each batch waited for before the next and a failed batch ending it, as gcloud's
   tpu_vm/ssh.py does. `preempt` and `delete` kill everything on the VMs (also what was detached from the ssh).
 - GKE pods (`xpk workload create`, `kubectl apply` of a JobSet): TPU_WORKER_ID and TPU_WORKER_HOSTNAMES, and for
-  several slices MEGASCALE_*, as GKE sets them: what JAX's GkeTpuCluster reads.
+  several slices MEGASCALE_*, as GKE sets them, and the node's metadata server (an empty tpu-env): what JAX's
+  GkeTpuCluster reads.
 - Slurm tasks (`sbatch`, then the script's `srun`): SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID,
   SLURM_LOCALID, one task per node: what JAX's SlurmCluster reads; a node's GPUs are CPU devices that JAX's
   device restriction (jax_cuda_visible_devices) reaches as it would reach GPUs (tests/fake_hosts/sitecustomize.py).
@@ -303,35 +304,35 @@ def _relay(p: subprocess.Popen, worker: str) -> int:
 
 
 def metadata_server(qr: dict) -> None:
-    """Each host's metadata server (computeMetadata/v1/instance/attributes/KEY), as a TPU VM's answers JAX."""
+    """Each TPU VM's metadata server (computeMetadata/v1/instance/attributes/KEY), as its answers reach JAX."""
     hosts, slices = qr["hosts"], qr["slices"]
-
-    def attributes(s: int, w: int) -> dict[str, str]:
-        tpu_env = "".join(f"{k}: '{v}'\n" for k, v in (("MEGASCALE_COORDINATOR_ADDRESS", "127.0.0.1"),
-                                                       ("MEGASCALE_NUM_SLICES", slices), ("MEGASCALE_SLICE_ID", s)))
-        return {"agent-worker-number": str(w), "worker-network-endpoints": ",".join(["127.0.0.1"] * hosts),
-                "tpu-env": tpu_env if slices > 1 else ""}
-
-    def serve(port: int, answers: dict[str, str]) -> None:
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                key = self.path.rsplit("/", 1)[-1]
-                found = self.headers.get("Metadata-Flavor") == "Google" and key in answers
-                body = answers[key].encode() if found else b"not found"
-                self.send_response(200 if found else 404)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
-
     for s in range(slices):
         for w in range(hosts):
-            threading.Thread(target=serve, args=(qr["metadata"][s][w], attributes(s, w)), daemon=True).start()
+            tpu_env = "".join(f"{k}: '{v}'\n" for k, v in (("MEGASCALE_COORDINATOR_ADDRESS", "127.0.0.1"),
+                                                           ("MEGASCALE_NUM_SLICES", slices), ("MEGASCALE_SLICE_ID", s)))
+            serve_metadata(qr["metadata"][s][w], {"agent-worker-number": str(w), "tpu-env": tpu_env if slices > 1
+                                                  else "", "worker-network-endpoints": ",".join(["127.0.0.1"] * hosts)})
     threading.Event().wait()
+
+
+def serve_metadata(port: int, answers: dict[str, str]) -> None:
+    """A metadata server on 127.0.0.1:`port` answering `answers`, in a thread (GCE_METADATA_IP points JAX at it)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            key = self.path.rsplit("/", 1)[-1]
+            found = self.headers.get("Metadata-Flavor") == "Google" and key in answers
+            body = answers[key].encode() if found else b"not found"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
 
 
 # ---- the VM image's python3 ------------------------------------------------------------------------
@@ -382,12 +383,14 @@ def _job(root: Path, spec: dict) -> int:
         if slurm:
             env = _host_env(root, home, spec["chips"], SLURM_JOB_ID=spec["key"], SLURM_NNODES=str(hosts),
                             SLURM_JOB_NODELIST=",".join(["localhost"] * hosts), SLURM_SUBMIT_DIR=str(home))
-        else:
+        else:  # a TPU pod with the node's network: its metadata server too (JAX reads tpu-env there)
             multislice = {"MEGASCALE_COORDINATOR_ADDRESS": "127.0.0.1", "MEGASCALE_NUM_SLICES": str(slices),
                           "MEGASCALE_SLICE_ID": str(i // hosts)} if slices > 1 else {}
+            metadata = _free_port()
+            serve_metadata(metadata, {"tpu-env": ""})
             env = _host_env(root, home, spec["chips"], TPU_WORKER_ID=str(i % hosts), JAX_FORCE_TPU_INIT="1",
                             TPU_WORKER_HOSTNAMES=",".join(["127.0.0.1"] * hosts), JAX_COORDINATOR_PORT=str(port),
-                            **multislice)
+                            GCE_METADATA_IP=f"127.0.0.1:{metadata}", **multislice)
             _record(root, node=spec["key"], worker=i, command=spec["command"], slice=port)
         with open(home / "out.log", "w") as log:
             procs.append(subprocess.Popen(["bash", "-c", spec["command"]], cwd=home, env=env, stdout=log,
