@@ -18,21 +18,27 @@ from typing import TypeVar
 
 import tyro
 
-from errors import fail
+from configs.fields import check_all, deferred_checks
+from errors import ConfigError, fail
 
 T = TypeVar("T")
 
 _BOX = re.compile(r"[│╭╮╰╯─]+")
 
 
-def parse(cls: type[T], argv: list[str] | None, *, default: T | None = None, prog: str,
+def parse(cls: type[T], argv: list[str] | None, *, default: T | None = None, presets: bool = False, prog: str,
           description: str | None = None) -> T:
     """Parses argv into `cls` (starting from `default`); exits with status 2 and one line on bad input.
 
     Booleans are tyro's switches (`--log.progress` / `--log.no_progress`, `--all`, `--no-wandb`); the value
     forms `--log.progress=false`, `--log.progress false` (true/false/1/0/yes/no, any case) work too.
+    `presets`: `--config NAME` picks the preset (configs/NAME.py) the other flags override.
     """
-    argv = _bare_booleans(cls, list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if presets:
+        default, argv = _preset(cls, argv)
+        description = f"{description or ''}\n{_presets_help()}"
+    argv = _bare_booleans(cls, argv)
     kw = dict(default=default, args=argv, prog=prog, description=description, use_underscores=True)
     if "-h" in argv or "--help" in argv:
         return tyro.cli(cls, **kw)
@@ -41,14 +47,45 @@ def parse(cls: type[T], argv: list[str] | None, *, default: T | None = None, pro
         fail(unknown)
     stderr = io.StringIO()
     try:
-        with contextlib.redirect_stderr(stderr):
-            return tyro.cli(cls, **kw)
+        with contextlib.redirect_stderr(stderr), deferred_checks():  # tyro would wrap our one line in a box
+            cfg = tyro.cli(cls, **kw)
     except SystemExit as e:
         if e.code in (0, None):
             raise
         fail(_condense(stderr.getvalue()))
-    except ValueError as e:  # a dataclass __post_init__ check (e.g. GPT2Config) rejected the values
+    try:
+        check_all(cfg)
+    except ConfigError as e:
         fail(str(e))
+    return cfg
+
+
+def _preset(cls: type[T], argv: list[str]) -> tuple[T, list[str]]:
+    """(the preset `--config NAME` names, or the default one, as a `cls`; argv without the flag). `cls` may extend
+    the presets' class with fields of its own (plan.py's options), which keep their defaults."""
+    import configs  # the presets import the model's config, and so JAX: only programs that have presets pay
+
+    name, rest = configs.DEFAULT, []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--config":
+            name = next(args, None)
+            if name is None:
+                fail(f"--config needs a preset name: {', '.join(configs.PRESETS)}")
+        elif arg.startswith("--config="):
+            name = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    preset = configs.load(name)
+    with deferred_checks():  # a default to start from, with plan.py's --topology still to come: checked once parsed
+        return cls(**{f.name: getattr(preset, f.name) for f in dataclasses.fields(preset)}), rest
+
+
+def _presets_help() -> str:
+    import configs
+
+    return (f"Before the config fields below:\n  --config NAME     the preset the other flags override:"
+            f" {', '.join(configs.PRESETS)} (default {configs.DEFAULT})\n")
 
 
 TRUE, FALSE = {"true", "1", "yes"}, {"false", "0", "no"}

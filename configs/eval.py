@@ -3,56 +3,53 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
 
 from configs.base import MeshConfig
+from configs.fields import Checked, Field
+from errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalConfig:
-    """Evaluation and sampling.
+class EvalConfig(Checked):
+    """Evaluation and sampling."""
 
-    Attributes:
-      run_dir: a training run directory (with checkpoints/): a local path or gs://bucket/path.
-      hf: instead of a run: a Hugging Face GPT-2 directory (config.json + safetensors), or `hub:NAME` for a
-        hub model (where the network allows).
-      step: the checkpoint to evaluate (default: the latest).
-      all: evaluate every checkpoint in the run.
-      batches: validation batches to average (>= 1; default: the whole validation split).
-      batch_size: sequences per batch (global, >= 1).
-      seq_len: tokens per sequence (>= 1; default: the run's train.seq_len; HF: 1024 or the model's context;
-        with --tasks: the longest row lm-eval's requests are cut to, default the model's context).
-      dataset: corpus to evaluate on (default: the run's; required with --hf).
-      prompt: sample a continuation of this text after evaluating.
-      max_new_tokens: tokens to sample (>= 1; past the model's context each is sampled from the last
-        block_size tokens, as nanoGPT does).
-      temperature: sampling temperature (finite, >= 0; 0: greedy).
-      top_k: sample among the k most likely tokens only (>= 1).
-      seed: sampling seed (>= 0).
-      out: results JSON (default: <run_dir>/eval.json; required with --hf).
-      tasks: instead of the validation loss: lm-evaluation-harness tasks, comma-separated (e.g.
-        hellaswag,lambada_openai; needs the `eval` extra, and a network for the hub's data sets).
-      include_path: a directory of extra lm-eval task YAMLs (with --tasks).
-      limit: lm-eval documents per task (>= 1; default: all).
-      wandb: also log to the training run's wandb run, in the mode the run used.
-      mesh: the device mesh to evaluate on (independent of the one training used).
-    """
+    run_dir: Annotated[str | None, Field(
+        "a training run directory (with checkpoints/): a local path or gs://bucket/path")] = None
+    hf: Annotated[str | None, Field(
+        "instead of a run: a Hugging Face GPT-2 directory (config.json + safetensors), or hub:NAME for a hub model"
+        " (where the network allows)")] = None
+    step: Annotated[int | None, Field("the checkpoint to evaluate (default: the latest)", ge=0)] = None
+    all: Annotated[bool, Field("evaluate every checkpoint in the run")] = False
+    batches: Annotated[int | None, Field(
+        "validation batches to average (default: the whole validation split)", ge=1)] = None
+    batch_size: Annotated[int, Field("sequences per batch (global)", ge=1)] = 8
+    seq_len: Annotated[int | None, Field(
+        "tokens per sequence (default: the run's train.seq_len; HF: 1024 or the model's context; with --tasks: the"
+        " longest row lm-eval's requests are cut to, default the model's context)", ge=1)] = None
+    dataset: Annotated[str | None, Field("corpus to evaluate on (default: the run's; required with --hf)")] = None
+    prompt: Annotated[str | None, Field("sample a continuation of this text after evaluating")] = None
+    max_new_tokens: Annotated[int, Field(
+        "tokens to sample (past the model's context each is sampled from the last block_size tokens, as nanoGPT"
+        " does)", ge=1)] = 100
+    temperature: Annotated[float, Field("sampling temperature (0: greedy)", ge=0)] = 0.8
+    top_k: Annotated[int | None, Field("sample among the k most likely tokens only", ge=1)] = 200
+    seed: Annotated[int, Field("sampling seed", ge=0)] = 0
+    out: Annotated[str | None, Field(
+        "results JSON (default: <run_dir>/eval.json; required with --hf)")] = None
+    wandb: Annotated[bool, Field("also log to the training run's wandb run, in the mode the run used")] = True
+    tasks: Annotated[str | None, Field(
+        "instead of the validation loss: lm-evaluation-harness tasks, comma-separated (e.g."
+        " hellaswag,lambada_openai; needs the eval extra, and a network for the hub's data sets)")] = None
+    include_path: Annotated[str | None, Field("a directory of extra lm-eval task YAMLs (with --tasks)")] = None
+    limit: Annotated[int | None, Field("lm-eval documents per task (default: all)", ge=1)] = None
+    mesh: MeshConfig = MeshConfig(rules="fsdp")  # the device mesh to evaluate on (independent of training's)
 
-    run_dir: str | None = None
-    hf: str | None = None
-    step: int | None = None
-    all: bool = False
-    batches: int | None = None
-    batch_size: int = 8
-    seq_len: int | None = None
-    dataset: str | None = None
-    prompt: str | None = None
-    max_new_tokens: int = 100
-    temperature: float = 0.8
-    top_k: int | None = 200
-    seed: int = 0
-    out: str | None = None
-    wandb: bool = True
-    tasks: str | None = None
-    include_path: str | None = None
-    limit: int | None = None
-    mesh: MeshConfig = MeshConfig(rules="fsdp")
+    def cross_check(self) -> None:
+        if (self.run_dir is None) == (self.hf is None):
+            raise ConfigError("give exactly one of --run_dir (a training run) or --hf (Hugging Face weights)")
+        if self.hf and ((self.dataset is None and not self.tasks) or self.out is None):
+            raise ConfigError("--hf needs --dataset (a prepared corpus; not with --tasks) and --out (where its"
+                              " results go)")
+        if self.all and self.step is not None:
+            raise ConfigError("give --step or --all, not both")

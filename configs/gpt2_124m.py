@@ -2,14 +2,14 @@
 
 Prepare the data first (docs/data.md), then: python train.py --config gpt2_124m --data.dataset=/data/owt
 
-Sizing, as `python train.py --config gpt2_124m --plan v5e:2x4` chose it (docs/aot_planning.md, "Chosen, and
-why"): 0.5M tokens per optimizer step as in GPT-2/nanoGPT (batch 512 × 1024 tokens) reached as 8 micro-batches of
-64 sequences (8 per chip); pure data parallelism — 124M parameters and their AdamW state (~2 GB in float32) fit
-every chip; splash attention (`auto` on TPU); the layers unrolled (scan_layers=False), so XLA schedules and fuses
-across them and recomputes cheap elementwise values inside the backward's fusions by itself, which makes remat
-unnecessary: predicted 341.5 ms per step, MFU 83.3 % (77.8 % counting causal attention only), 7.1 GiB per chip,
-against 373.6 ms for remat="dots" and 437.1 ms for "full". Published runs measured 0.77-1.15x such predictions
-(the back-test, same page).
+Sizing, as `python plan.py --config gpt2_124m --topology v5e:2x4 --search` chose it (docs/aot_planning.md, "Chosen,
+and why"): 0.5M tokens per optimizer step as in GPT-2/nanoGPT (batch 512 × 1024 tokens) reached as 8 micro-batches of
+64 sequences (8 per chip); pure data parallelism — 124M parameters and their AdamW state (~2 GB in float32) fit every
+chip; splash attention (`auto` on TPU); the layers unrolled (scan_layers=False), so XLA schedules and fuses across
+them and recomputes cheap elementwise values inside the backward's fusions by itself, which makes remat unnecessary:
+predicted 341.5 ms per step, MFU 83.3 % (77.8 % counting causal attention only), 7.1 GiB per chip, against 373.6 ms
+for remat="dots" and 437.1 ms for "full". Published runs measured 0.77-1.15x such predictions (the back-test, same
+page).
 """
 
 from configs.base import CheckpointConfig, Config, DataConfig, GuardConfig, MeshConfig, OptimConfig, TrainConfig

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Annotated, Literal
 
 import jax
 import jax.numpy as jnp
 
+from configs.fields import Checked, Field  # the one check of every config's bounds (no JAX)
 from errors import ConfigError  # the application's one ConfigError (errors.py imports nothing)
 
 GPT2_VOCAB_SIZE = 50257  # r50k_base BPE ranks + <|endoftext|>
@@ -21,72 +22,57 @@ COMPUTE_DTYPES = {"cpu": ("float32", "bfloat16")}
 
 
 @dataclasses.dataclass(frozen=True)
-class GPT2Config:
+class GPT2Config(Checked, section="model"):
     """Architecture of a GPT-2 model.
 
     Letter legend used in shape comments across `gpt2/`:
     B batch, T time, D embed (n_embd), H heads, K head dim, F mlp (4·D), V vocab, L layers.
     """
 
-    vocab_size: int = GPT2_VOCAB_SIZE  # real vocabulary; ids >= vocab_size never occur
-    pad_vocab_to: int = 1  # round V up to a multiple of this (128 keeps matmuls tile-aligned)
-    block_size: int = 1024  # maximum sequence length (rows of wpe)
-    n_layer: int = 12  # transformer blocks
-    n_head: int = 12  # attention heads (must divide n_embd)
-    n_embd: int = 768  # width D of the residual stream
-    dropout: float = 0.0  # on the embeddings and each residual branch, in [0, 1); 0 for pre-training
-    bias: bool = True  # GPT-2 has biases in every Linear and LayerNorm
-    layer_norm_epsilon: float = 1e-5  # HF GPT2Config default
-    dtype: DType = "float32"  # compute dtype of matmuls and activations
-    param_dtype: DType = "float32"  # storage dtype of parameters (and so of the optimizer state)
-    scan_layers: bool = True  # stack the blocks on a leading `layers` axis and lax.scan over them
-    remat: RematPolicy = "none"  # what to keep from each block's forward for the backward pass
-    # "xla" / "cudnn": jax.nn.dot_product_attention's implementations; "splash": the TPU Pallas kernel
-    # (gpt2/splash.py; interpreted, slowly, off TPU); "auto": splash on TPU, elsewhere dot_product_attention's own
-    # choice (resolved when traced, for the mesh in context: see layers.attention_implementation)
-    attention: AttentionImpl = "auto"
-    # >1: queries in this many blocks, each attending only to its key prefix, so the masked upper triangle is
-    # never computed (~37% less attention work at 4). For XLA:CPU, which has no fused causal attention.
-    attention_query_blocks: int = 1
-    # Splash attention's tiles: query and key/value rows per block, in the forward pass and both backward kernels;
-    # multiples of 128 (the TPU lane width), shrunk to fit shorter sequences. 512 is MaxText's default (sa_block_*).
-    splash_block_q: int = 512
-    splash_block_kv: int = 512
-    # Attention stays inside a document: each <|endoftext|> in a row starts a new one (gpt2/model.py
-    # `documents`; the loader packs documents back to back). Splash takes them as segment ids; elsewhere a
-    # [B, 1, T, T] boolean mask is compared in the trace.
-    document_mask: bool = False
-    # With document_mask: positions restart at 0 at every <|endoftext|>, so a packed document is embedded as if
-    # it were alone (as at sampling time) — but wpe rows past the typical document length are then rarely trained.
-    document_positions: bool = False
+    vocab_size: Annotated[int, Field("real vocabulary; ids >= vocab_size never occur", gt=0)] = GPT2_VOCAB_SIZE
+    pad_vocab_to: Annotated[int, Field(
+        "round the vocabulary up to a multiple of this (128 keeps matmuls tile-aligned)", gt=0)] = 1
+    block_size: Annotated[int, Field("maximum sequence length (rows of wpe)", gt=0)] = 1024
+    n_layer: Annotated[int, Field("transformer blocks", gt=0)] = 12
+    n_head: Annotated[int, Field("attention heads (must divide n_embd)", gt=0)] = 12
+    n_embd: Annotated[int, Field("width D of the residual stream", gt=0)] = 768
+    dropout: Annotated[float, Field("on the embeddings and each residual branch; 0 for pre-training", ge=0, lt=1)] = 0.0
+    bias: Annotated[bool, Field("biases in every Linear and LayerNorm, as GPT-2 has")] = True
+    layer_norm_epsilon: Annotated[float, Field("LayerNorm's epsilon (HF GPT2Config's default)", gt=0)] = 1e-5
+    dtype: Annotated[DType, Field("compute dtype of matmuls and activations")] = "float32"
+    param_dtype: Annotated[DType, Field(
+        "storage dtype of parameters (and so of the optimizer state)")] = "float32"
+    scan_layers: Annotated[bool, Field("stack the blocks on a leading `layers` axis and lax.scan over them")] = True
+    remat: Annotated[RematPolicy, Field("what to keep from each block's forward for the backward pass")] = "none"
+    attention: Annotated[AttentionImpl, Field(
+        '"xla" / "cudnn": jax.nn.dot_product_attention\'s implementations; "splash": the TPU Pallas kernel'
+        ' (gpt2/splash.py; interpreted, slowly, off TPU); "auto": splash on TPU, elsewhere dot_product_attention\'s'
+        " own choice (resolved when traced, for the mesh in context: see layers.attention_implementation)")] = "auto"
+    attention_query_blocks: Annotated[int, Field(
+        ">1: queries in this many blocks, each attending only to its key prefix, so the masked upper triangle is"
+        " never computed (~37% less attention work at 4). For XLA:CPU, which has no fused causal attention",
+        gt=0)] = 1
+    # 512 is MaxText's default (sa_block_*); 128 is the TPU's lane width, by which the kernel tiles
+    splash_block_q: Annotated[int, Field(
+        "splash attention's query rows per block, in the forward pass and both backward kernels (shrunk to fit"
+        " shorter sequences)", gt=0, multiple_of=128)] = 512
+    splash_block_kv: Annotated[int, Field(
+        "splash attention's key/value rows per block, as splash_block_q", gt=0, multiple_of=128)] = 512
+    document_mask: Annotated[bool, Field(
+        "attention stays inside a document: each <|endoftext|> in a row starts a new one (gpt2/model.py"
+        " `documents`; the loader packs documents back to back). Splash takes them as segment ids; elsewhere a"
+        " [B, 1, T, T] boolean mask is compared in the trace")] = False
+    document_positions: Annotated[bool, Field(
+        "with document_mask: positions restart at 0 at every <|endoftext|>, so a packed document is embedded as if"
+        " it were alone (as at sampling time), but wpe rows past the typical document length are then rarely"
+        " trained")] = False
 
-    def __post_init__(self):
-        for name in ("vocab_size", "pad_vocab_to", "block_size", "n_layer", "n_head", "n_embd",
-                     "attention_query_blocks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+    def cross_check(self) -> None:
         if self.n_embd % self.n_head:
-            raise ConfigError(
-                f"model.n_head={self.n_head} must divide model.n_embd={self.n_embd}"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
-        for name in ("document_mask", "document_positions"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
+            raise ConfigError(f"model.n_head={self.n_head} must divide model.n_embd={self.n_embd}")
         if self.document_positions and not self.document_mask:
             raise ConfigError("model.document_positions=true restarts positions at document boundaries and needs"
                               " model.document_mask=true")
-        _check_choice("dtype", self.dtype, DType)
-        _check_choice("param_dtype", self.param_dtype, DType)
-        _check_choice("remat", self.remat, RematPolicy)
-        _check_choice("attention", self.attention, AttentionImpl)
-        for name in ("splash_block_q", "splash_block_kv"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 128:
-                raise ConfigError(f"model.{name} must be a positive multiple of 128 (the splash kernel tiles by the"
-                                  f" TPU's 128 lanes), got {value!r}")
 
     @property
     def head_dim(self) -> int:
@@ -175,12 +161,6 @@ PRESETS = {
     "tiny": GPT2Config.tiny,
     "nano": GPT2Config.nano,
 }
-
-
-def _check_choice(name: str, value, literal) -> None:
-    choices = literal.__args__
-    if value not in choices:
-        raise ConfigError(f"model.{name} must be one of {list(choices)}, got {value!r}")
 
 
 def check_compute_dtype(config: GPT2Config, platform: str) -> None:

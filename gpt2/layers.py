@@ -134,7 +134,7 @@ def attention_implementation(choice: str) -> str | None:
 
     "auto" is resolved here, when the attention is traced, and not in GPT2Config or at construction: the model's
     structure is built before any mesh exists (Evaluator.build), and only the trace knows its target — the mesh
-    in context (`jax.set_mesh`), which is a TPU topology's when trainer/perf/aot.py compiles for TPUs on a CPU host.
+    in context (`jax.set_mesh`), which is a TPU topology's when planning/aot.py compiles for TPUs on a CPU host.
     """
     if choice != "auto":
         return choice

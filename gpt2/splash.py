@@ -30,7 +30,7 @@ LANES = 128
 
 def target_platform() -> str:
     """The platform of the program being traced: the mesh in context's (`jax.set_mesh`), which is a TPU
-    topology's when trainer/perf/aot.py compiles for TPUs from a CPU host; without a mesh, the default backend."""
+    topology's when planning/aot.py compiles for TPUs from a CPU host; without a mesh, the default backend."""
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh.empty else mesh.abstract_device
     return device.platform if device is not None else jax.default_backend()

@@ -11,7 +11,7 @@ LIBTPU = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 def test_gpt2_124m_compiles_and_fits_on_v5e_2x2():
-    r = run_cli("train.py", "--config", "gpt2_124m", "--aot", "v5e:2x2", "--train.grad_accum=32",
+    r = run_cli("plan.py", "--config", "gpt2_124m", "--topology", "v5e:2x2", "--train.grad_accum=32",
                 "--train.steps_per_call=2", devices=1, env=LIBTPU)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
@@ -28,18 +28,18 @@ def test_gpt2_124m_compiles_and_fits_on_v5e_2x2():
 
 
 def test_an_oversized_model_is_reported_as_not_fitting_with_numbers():
-    r = run_cli("train.py", "--config", "gpt2_124m", "--aot", "v5e:2x2", "--model.n_layer=48",
+    r = run_cli("plan.py", "--config", "gpt2_124m", "--topology", "v5e:2x2", "--model.n_layer=48",
                 "--model.n_embd=1600", "--model.n_head=25", "--mesh.rules=dp", devices=1, env=LIBTPU)
     assert r.returncode == 2
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: --aot v5e:2x2: does not fit in HBM")
+    assert last.startswith("error: --topology v5e:2x2: does not fit in HBM")
     assert "G)" in last and "15.75G" in last  # the compiler's required vs available bytes
 
 
 def test_unknown_tpu_generation_is_one_line():
-    r = run_cli("train.py", "--config", "gpt2_124m", "--aot", "v9x:2x2", devices=1)
+    r = run_cli("plan.py", "--config", "gpt2_124m", "--topology", "v9x:2x2", devices=1)
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1] == "error: --aot v9x:2x2: unknown TPU generation 'v9x'; known: ['v4', 'v5e', 'v5p', 'v6e']"
+    assert r.stderr.strip().splitlines()[-1] == "error: --topology v9x:2x2: unknown TPU generation 'v9x'; known: ['v4', 'v5e', 'v5p', 'v6e']"
 
 
 def test_a_compile_is_kept_and_read_back_and_a_changed_program_compiles_again(tmp_path, monkeypatch):
@@ -48,7 +48,7 @@ def test_a_compile_is_kept_and_read_back_and_a_changed_program_compiles_again(tm
     import configs
     from configs.base import Config
     from configs.cli import parse
-    from trainer.perf import aot, compile_store
+    from planning import aot, compile_store
 
     monkeypatch.setattr(compile_store, "STORE", str(tmp_path))
     compiles = []

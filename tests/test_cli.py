@@ -49,7 +49,8 @@ def test_cli_run_leaves_metrics_checkpoints_plot_config_and_sample(k4_run):
     records = read_jsonl(run_dir / "metrics.jsonl")
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))
-    assert set(steps[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "peak_flops"}
+    assert set(steps[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "peak_flops",
+                             "skipped"}
     assert len({r["peak_flops"] for r in steps}) == 1  # one peak for the whole run: MFUs compare
     # the first call (4 steps) compiled and first loaded the program: its speed is unknown, not a wrong number
     assert [r["mfu"] is None for r in steps] == [True] * 4 + [False] * 8
@@ -269,7 +270,7 @@ def train_error(tmp_path, shakespeare, *args):
         (["--train.steps=0"], "train.steps must be an integer >= 1, got 0"),
         (["--train.seq_len=128"], "train.seq_len=128 exceeds model.block_size=64"),
         (["--mesh.data=3"], "mesh data×fsdp×tensor = 3×1×1 = 3 but there are 8 devices"),
-        (["--mesh.rules=zero3"], "unknown sharding rules preset 'zero3'"),
+        (["--mesh.rules=zero3"], "--mesh.rules must be one of dp, fsdp, tp, fsdp_tp, got 'zero3'"),
         (["--train.batch_size=6"], "not divisible by the data-parallel size mesh.data×mesh.fsdp = 8"),
         (["--data.dataset=/nonexistent"], "/nonexistent: dataset directory does not exist"),
         (["--optim.grad_clip=nan"], "optim.grad_clip must be a finite number >= 0, got nan"),
@@ -278,7 +279,7 @@ def train_error(tmp_path, shakespeare, *args):
         (["--train.stop_after=-5"], "train.stop_after must be an integer >= 1, got -5"),
         (["--checkpoint.keep_every=0"], "checkpoint.keep_every must be an integer >= 1, got 0"),
         (["--optim.b2=1"], "optim.b2 must be a finite number in [0, 1), got 1"),
-        (["--model.dropout=nan"], "model.dropout must be in [0, 1)"),
+        (["--model.dropout=nan"], "--model.dropout must be a finite number in [0, 1), got nan"),
         (["--train.eval_every=-1"], "train.eval_every must be an integer >= 0, got -1"),
         (["--train.peak_flops=0"], "train.peak_flops must be a finite number > 0"),
         (["--train.sample_tokens=8", "--train.sample_prompt=" + " ".join(["word"] * 70)],
@@ -401,14 +402,14 @@ def eval_error(*args):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1, got 0"),
-        (["--max_new_tokens", "-3"], "--max_new_tokens must be >= 1, got -3"),
-        (["--top_k", "0"], "--top_k must be >= 1, got 0"),
-        (["--batches", "0"], "--batches must be >= 1, got 0"),
-        (["--batch_size", "0"], "--batch_size must be >= 1, got 0"),
+        (["--max_new_tokens", "0"], "--max_new_tokens must be an integer >= 1, got 0"),
+        (["--max_new_tokens", "-3"], "--max_new_tokens must be an integer >= 1, got -3"),
+        (["--top_k", "0"], "--top_k must be an integer >= 1, got 0"),
+        (["--batches", "0"], "--batches must be an integer >= 1, got 0"),
+        (["--batch_size", "0"], "--batch_size must be an integer >= 1, got 0"),
         (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
         (["--step", "4", "--all"], "give --step or --all, not both"),
-        (["--mesh.rules", "zero3"], "unknown sharding rules preset 'zero3'"),
+        (["--mesh.rules", "zero3"], "--mesh.rules must be one of dp, fsdp, tp, fsdp_tp, got 'zero3'"),
     ],
 )
 def test_eval_arguments_are_checked_before_any_work(tmp_path, args, message):
@@ -535,28 +536,30 @@ def test_refusals_on_resume_name_the_fields(k4_run, shakespeare, tmp_path):
 # ---- the command line as documented -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("program, args", [(train_app.main, []), (eval_app.main, []), ("prepare", [])])
-def test_help_documents_every_flag(program, args, monkeypatch):
-    """Every field's flag carries a description (and train.py's --help lists the presets and --aot)."""
+@pytest.mark.parametrize("program", [train_app.main, eval_app.main, "prepare", "plan"])
+def test_help_documents_every_flag(program, monkeypatch):
+    """Every field's flag carries a description (and train.py's and plan.py's --help list the presets)."""
     import re
 
+    import plan
     from data import prepare
 
     monkeypatch.setenv("COLUMNS", "80")  # one panel wide: each flag's line, then its description's
-    main = prepare.main if program == "prepare" else program
-    code, out, _ = run_main(main, *args, "--help")
+    main = {"prepare": prepare.main, "plan": plan.main}.get(program, program)
+    code, out, _ = run_main(main, "--help")
     assert code == 0
     lines = [re.sub(r"^[│\s]+|[│\s]+$", "", line) for line in out.splitlines()]
     flags = [i for i, line in enumerate(lines)
-             if re.match(r"--[a-z][\w.-]*(,| |$)", line) and not line.startswith(("--config", "--aot"))]
+             if re.match(r"--[a-z][\w.-]*(,| |$)", line) and not line.startswith("--config")]
     assert len(flags) > 10
     for i in flags:  # a description beside the flag, or under it (where a field without one shows its default)
         beside = re.split(r"\s{2,}", lines[i], maxsplit=1)[1:]
         text = beside[0] if beside else lines[i + 1]
         assert text and not re.match(r"\(default|\(required|--\w", text), lines[i]
-    if program is train_app.main:
+    if program in (train_app.main, "plan"):
         assert "--config NAME" in out and "gpt2_124m, gpt2_medium, gpt2_xl_pod, shakespeare_cpu" in out
-        assert "--aot TOPOLOGY" in out
+    if program == "plan":
+        assert "--topology" in out and "--search" in out and "--train.batch_size" in out
 
 
 @pytest.mark.parametrize("form", [["--log.progress=false"], ["--log.progress", "False"], ["--log.no_progress"],
@@ -573,7 +576,7 @@ def test_one_boolean_style_with_every_documented_form(form):
     for args in (["--overwrite"], ["--overwrite=true"], ["--overwrite", "yes"]):
         assert parse(PrepareConfig, ["--source", "x", "--out_dir", "y", *args], prog="prepare").overwrite is True
     assert parse(PrepareConfig, ["--source", "x", "--out_dir", "y", "--no-overwrite"], prog="prepare").overwrite is False
-    assert parse(eval_app.EvalConfig, ["--all=True", "--no-wandb"], prog="eval.py").all is True
+    assert parse(eval_app.EvalConfig, ["--run_dir=r", "--all=True", "--no-wandb"], prog="eval.py").all is True
 
 
 @pytest.mark.slow

@@ -14,12 +14,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import configs  # noqa: E402
+import plan as plan_app  # noqa: E402
 import train as train_app  # noqa: E402
 from conftest import ROOT, SMALL, last_line, run_main, step_losses  # noqa: E402
 from errors import ConfigError  # noqa: E402
-from trainer.hardware import CHIPS  # noqa: E402
-from trainer.perf import planner, step_time  # noqa: E402
-from trainer.perf.planner import Outcome  # noqa: E402
+from planning.chips import CHIPS  # noqa: E402
+from planning import planner, step_time  # noqa: E402
+from planning.planner import Outcome  # noqa: E402
 from trainer.program.mesh import slices_of  # noqa: E402
 
 V5E = CHIPS["v5e"]
@@ -58,19 +59,26 @@ def test_cpu_devices_are_grouped_into_slices_by_process_and_tpu_devices_by_slice
     (["--mesh.num_slices=2", "--mesh.data=3"], "mesh.data=3 must be a multiple of mesh.num_slices=2: data"
                                                " parallelism spans the slices (fsdp and tensor stay inside one)"),
     (["--mesh.num_slices=0"], "mesh.num_slices must be an integer >= 1, got 0"),
-    (["--aot", "v5e:2x2*0"], "--aot v5e:2x2*0: the number of slices after '*' must be a positive integer, got '0'"
-                             " (e.g. v5e:16x16*2)"),
-    (["--aot", "v5e:2x2*two"], "--aot v5e:2x2*two: the number of slices after '*' must be a positive integer, got"
-                               " 'two' (e.g. v5e:16x16*2)"),
-    (["--aot", "v5e:2x2*2", "--mesh.num_slices=3"], "--aot v5e:2x2*2: 2 slice(s), but mesh.num_slices=3"),
-    (["--plan", "v5e:2x2*x"], "--aot v5e:2x2*x: the number of slices after '*' must be a positive integer, got 'x'"
-                              " (e.g. v5e:16x16*2)"),
 ])
 def test_a_bad_slice_count_is_one_line(tmp_path, flags, message):
     code, _, err = run_main(train_app.main, "--run_dir", str(tmp_path / "run"), *SMALL, *flags)
     # (a bound checked while the flags are parsed comes inside tyro's one-line wrapping)
     assert code == 2 and last_line(err).startswith("error: ") and message in last_line(err), err[-2000:]
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--topology", "v5e:2x2*0"], "--topology v5e:2x2*0: the number of slices after '*' must be a positive integer,"
+                                  " got '0' (e.g. v5e:16x16*2)"),
+    (["--topology", "v5e:2x2*two"], "--topology v5e:2x2*two: the number of slices after '*' must be a positive"
+                                    " integer, got 'two' (e.g. v5e:16x16*2)"),
+    (["--topology", "v5e:2x2*2", "--mesh.num_slices=3"], "--topology v5e:2x2*2: 2 slice(s), but mesh.num_slices=3"),
+    (["--topology", "v5e:2x2*x", "--search"], "--topology v5e:2x2*x: the number of slices after '*' must be a"
+                                              " positive integer, got 'x' (e.g. v5e:16x16*2)"),
+])
+def test_a_bad_slice_count_for_plan_py_is_one_line(flags, message):
+    code, _, err = run_main(plan_app.main, *SMALL, *flags)
+    assert code == 2 and last_line(err) == f"error: {message}", err[-2000:]
 
 
 # One slice's program as libtpu compiles it for 2 slices: the reduction across slices is a `send` to the DCN runtime
@@ -122,7 +130,7 @@ def test_plan_layouts_keep_fsdp_and_tensor_inside_a_slice():
         return Outcome(changes, True, 1.0, 0.1 + 0.01 * c.train.grad_accum, 0.5, "compute", 0.0)
 
     asked = []
-    planner.plan("gpt2_124m", configs.load("gpt2_124m"), "v5e:2x2*2", budget_s=60, compile=stand_in,
+    planner.plan(configs.load("gpt2_124m"), "v5e:2x2*2", budget_s=60, compile=stand_in,
                  show_progress=False)
     assert asked and all(slices == 2 and data % 2 == 0 for slices, data in asked)
 
@@ -137,7 +145,7 @@ def test_a_tiny_train_call_compiles_for_two_v5e_slices_and_its_gradient_reductio
     pytest.importorskip("libtpu", reason="the `tpu` extra brings libtpu")
     from configs.base import Config
     from configs.cli import parse
-    from trainer.perf import aot, compile_store
+    from planning import aot, compile_store
     from trainer.program.mesh import build_mesh
 
     monkeypatch.setattr(compile_store, "STORE", str(tmp_path))  # compile now, not a stored compile

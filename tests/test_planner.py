@@ -1,4 +1,4 @@
-"""The planner (trainer/perf/planner.py): the search and its table on a stand-in compiler whose figures are known
+"""The planner (planning/planner.py): the search and its table on a stand-in compiler whose figures are known
 (milliseconds), the candidate axes for the presets' topologies, and — with libtpu — a real plan of a tiny model
 on v5e:2x2 in-process and once through `train.py --plan`."""
 
@@ -12,8 +12,8 @@ import pytest  # noqa: E402
 
 import configs  # noqa: E402
 from conftest import run_cli  # noqa: E402
-from trainer.perf import planner  # noqa: E402
-from trainer.perf.planner import Outcome  # noqa: E402
+from planning import planner  # noqa: E402
+from planning.planner import Outcome  # noqa: E402
 
 GiB = 2**30
 
@@ -42,7 +42,7 @@ def start(**model):
 
 
 def test_the_search_changes_one_axis_at_a_time_and_ranks_every_candidate():
-    p = planner.plan("gpt2_124m", start(), "v5e:2x4", budget_s=60, compile=stand_in, show_progress=False)
+    p = planner.plan(start(), "v5e:2x4", budget_s=60, compile=stand_in, show_progress=False)
     # the preset: 16 micro-batches of 4 rows per chip (12 GiB), splash, dp, no remat, scanned: 480 ms. 8 rows
     # do not fit (24 GiB) but do with remat=dots (16 GiB, 450 ms); unrolled: 430 ms. Dense attention, 16 rows,
     # fsdp and fsdp_tp do not fit or are slower; tp fails
@@ -64,14 +64,14 @@ def test_the_search_changes_one_axis_at_a_time_and_ranks_every_candidate():
 
 def test_the_walk_along_micro_batches_moves_while_it_helps():
     # with remat=full a micro-batch of 16 rows fits (8 GiB) and fewer micro-batches are faster
-    p = planner.plan("x", start(remat="full"), "v5e:2x4", budget_s=60, compile=stand_in, show_progress=False)
+    p = planner.plan(start(remat="full"), "v5e:2x4", budget_s=60, compile=stand_in, show_progress=False)
     best = dict(p.best)
     assert best["train.grad_accum"] == 2 and best["model.scan_layers"] is False  # 32 rows: 16 GiB, just fits
     assert p.outcomes[p.best].memory_bytes == 16 * GiB
 
 
 def test_the_budget_stops_new_compiles_after_the_first():
-    p = planner.plan("gpt2_124m", start(), "v5e:2x4", budget_s=1e-9, compile=stand_in, show_progress=False)
+    p = planner.plan(start(), "v5e:2x4", budget_s=1e-9, compile=stand_in, show_progress=False)
     assert list(p.outcomes) == [()] and p.stopped_by_budget
     assert "stopped at the budget" in planner.text(p, 16 * GiB)
 
@@ -108,7 +108,7 @@ def tiny_config():
 @pytest.mark.slow
 def test_a_real_plan_of_a_tiny_model_on_v5e_2x2():
     pytest.importorskip("libtpu", reason="the `tpu` extra brings libtpu")
-    p = planner.plan("tiny", tiny_config(), "v5e:2x2", budget_s=1e-9, show_progress=False)  # the preset only
+    p = planner.plan(tiny_config(), "v5e:2x2", budget_s=1e-9, show_progress=False)  # the preset only
     preset = p.outcomes[()]
     assert preset.fits and preset.step_s > 0 and 0 < preset.mfu < 1 and preset.error is None
     assert preset.memory_bytes < 16 * GiB
@@ -116,19 +116,19 @@ def test_a_real_plan_of_a_tiny_model_on_v5e_2x2():
 
 
 @pytest.mark.slow
-def test_plan_end_to_end_through_train_py():
-    r = run_cli("train.py", "--config", "gpt2_124m", "--plan", "v5e:2x2", "--plan_budget", "15", *TINY,
+def test_plan_end_to_end_through_plan_py():
+    r = run_cli("plan.py", "--config", "gpt2_124m", "--topology", "v5e:2x2", "--search", "--budget", "15", *TINY,
                 devices=1, env={"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
-    assert out.startswith("Plan for --config gpt2_124m on v5e:2x2:")
+    assert out.startswith("Plan for v5e:2x2:")
     assert "(the preset as it is)" in out and "\nbest: " in out and "predicted" in out
 
 
 def test_a_bad_budget_is_one_line():
-    import train
+    import plan
     from conftest import last_line, run_main
 
-    code, _, err = run_main(train.main, "--config", "gpt2_124m", "--plan", "v5e:2x4", "--plan_budget", "soon")
+    code, _, err = run_main(plan.main, "--config", "gpt2_124m", "--topology", "v5e:2x4", "--search", "--budget", "0")
     assert code == 2
-    assert last_line(err) == "error: --plan_budget must be a positive number of seconds, got 'soon'"
+    assert last_line(err) == "error: --budget must be a number > 0, got 0.0"

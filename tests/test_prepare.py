@@ -374,6 +374,9 @@ def test_refuses_files_it_did_not_write(corpus, tmp_path, capsys, foreign):
 # ---- errors: one line, before any work ----------------------------------------------------------
 
 
+VAL_FRACTION = r"--val_fraction must be a finite number in \(0, 1\)"
+
+
 @pytest.mark.parametrize(
     "make_source, flags, message",
     [
@@ -389,10 +392,11 @@ def test_refuses_files_it_did_not_write(corpus, tmp_path, capsys, foreign):
          r"the val split would have 0 tokens, not one window; raise --val_fraction \(about 0.\d+ gives 1,025"),
         (lambda p: _write_bytes(p / "d.jsonl", b'{"text": "bad \xff byte"}\n'), [],
          "d.jsonl: invalid UTF-8 at byte 14"),
-        (lambda p: _write(p / "d.jsonl", [{"text": "x"}]), ["--val_fraction", "nan"], "--val_fraction must be in"),
-        (lambda p: _write(p / "d.jsonl", [{"text": "x"}]), ["--val_fraction", "inf"], "--val_fraction must be in"),
-        (lambda p: _write(p / "d.jsonl", [{"text": "x"}]), ["--val_fraction", 1], "--val_fraction must be in"),
-        (lambda p: _write(p / "d.jsonl", [{"text": "x"}]), ["--shard_tokens", 1000], "--shard_tokens must be at least"),
+        (lambda p: _write(p / "d.jsonl", [{"text": "x"}]), ["--val_fraction", "nan"], VAL_FRACTION),
+        (lambda p: _write(p / "d.jsonl", [{"text": "x"}]), ["--val_fraction", "inf"], VAL_FRACTION),
+        (lambda p: _write(p / "d.jsonl", [{"text": "x"}]), ["--val_fraction", 1], VAL_FRACTION),
+        (lambda p: _write(p / "d.jsonl", [{"text": "x"}]), ["--shard_tokens", 1000],
+         "--shard_tokens must be an integer >= 65536"),
         (lambda p: _write(p / "d.jsonl", [{"text": "x"}]), ["--max_documents", 0], "--max_documents must be"),
         (lambda p: _write(p / "d.jsonl", [{"text": "x"}]), ["--num_workers", 0], "--num_workers must be"),
         (lambda p: _write(p / "d.jsonl", [{"text": "x"}]), ["--num_workers", 2, "--worker_index", 2],

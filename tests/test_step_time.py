@@ -17,13 +17,13 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from benchmarks import calibrate_step_time as calibrate  # noqa: E402
-from trainer.hardware import CHIPS  # noqa: E402
-from trainer.perf import (  # noqa: E402
+from planning.chips import CHIPS  # noqa: E402
+from planning import (  # noqa: E402
     hlo,
     op_cost,  # noqa: E402
     step_time,
 )
-from trainer.perf.step_time import estimate  # noqa: E402
+from planning.step_time import estimate  # noqa: E402
 
 pytest.importorskip("libtpu", reason="the `tpu` extra brings libtpu")
 
@@ -33,7 +33,7 @@ V5E = CHIPS["v5e"]
 @pytest.fixture(scope="module")
 def mesh():
     """v5e:2x2 as data 2 × fsdp 1 × tensor 2."""
-    from trainer.perf.aot import topology_devices
+    from planning.aot import topology_devices
 
     return jax.make_mesh((2, 1, 2), ("data", "fsdp", "tensor"), devices=topology_devices("v5e:2x2"))
 
@@ -123,7 +123,7 @@ def test_a_batched_matmul_written_as_a_dilated_convolution_counts_only_real_taps
 
 # ---------------------------------------------------------------------------------------------- part 1: per-op costs
 
-# Shapes are drawn afresh each run (GPT-2's range, benchmarks/calibrate_step_time.py); STEP_TIME_SEED=<n> repeats one
+# Shapes are drawn afresh each run (GPT-2's range, planning/calibrate.py); STEP_TIME_SEED=<n> repeats one
 SEED = int(os.environ.get("STEP_TIME_SEED", random.randrange(2**31)))
 
 
@@ -170,7 +170,7 @@ def test_tile_padding_counts_in_the_bytes():
 @pytest.mark.slow
 def test_gpt2_124m_train_call_on_v5e_2x4_gets_a_positive_estimate():
     import configs
-    from trainer.perf.aot import compile_for_topology
+    from planning.aot import compile_for_topology
 
     report = compile_for_topology(configs.load("gpt2_124m"), "v5e:2x4")
     e = report.step_time
@@ -195,7 +195,7 @@ B, T, H, K, BLOCK = 4, 1024, 4, 64, 128  # per chip [2, 1024, 2, 64]: 8 × 8 blo
 @pytest.fixture(scope="module")
 def model_mesh():
     from gpt2.sharding import make_mesh
-    from trainer.perf.aot import topology_devices
+    from planning.aot import topology_devices
 
     return make_mesh(2, 1, 2, devices=topology_devices("v5e:2x2"))  # the model's mesh: axes in Auto mode
 
@@ -293,7 +293,7 @@ def test_a_small_fsdp_train_call_hides_part_of_its_collectives():
     import configs
     from configs.base import Config
     from configs.cli import parse
-    from trainer.perf.aot import compile_for_topology
+    from planning.aot import compile_for_topology
 
     cfg = parse(Config, [*TINY, "--train.steps_per_call=1", "--mesh.data=1", "--mesh.fsdp=4", "--mesh.rules=fsdp"],
                 default=configs.load("gpt2_124m"), prog="test")
@@ -313,7 +313,7 @@ def test_the_estimate_per_step_does_not_depend_on_steps_per_call():
     import configs
     from configs.base import Config
     from configs.cli import parse
-    from trainer.perf.aot import compile_for_topology
+    from planning.aot import compile_for_topology
 
     one, three = (compile_for_topology(parse(Config, [*TINY, f"--train.steps_per_call={k}"],
                                              default=configs.load("gpt2_124m"), prog="test"), "v5e:2x2").step_time
@@ -326,7 +326,7 @@ def test_the_estimate_per_step_does_not_depend_on_steps_per_call():
 
 def test_the_report_gives_both_mfu_conventions_and_the_backtest_range():
     from gpt2 import GPT2Config
-    from trainer.perf.step_report import BACKTEST_BAND, StepTimeEstimate
+    from planning.step_report import BACKTEST_BAND, StepTimeEstimate
 
     c = GPT2Config.gpt2()
     full, causal = c.flops_per_token(1024), c.flops_per_token(1024, causal=True)

@@ -1,6 +1,6 @@
 """The house rules a reorganization must keep: no import cycle anywhere (imports inside functions and under
-TYPE_CHECKING count), no module over ~500 lines, the storage layer's first three modules usable without JAX, and
-entry points as thin as nanodo's."""
+TYPE_CHECKING count), no module over ~500 lines, the storage layer's first three modules usable without JAX, entry
+points as thin as nanodo's, training that never imports planning, and each config bound stated once."""
 
 import ast
 import subprocess
@@ -8,8 +8,8 @@ import sys
 
 from conftest import ROOT
 
-PACKAGES = ("configs", "data", "gpt2", "trainer", "tools", "benchmarks")
-TOP_LEVEL = ("train", "eval", "errors")
+PACKAGES = ("configs", "data", "gpt2", "trainer", "planning", "tools", "benchmarks")
+TOP_LEVEL = ("train", "eval", "plan", "errors")
 
 
 def modules() -> dict[str, ast.Module]:
@@ -82,7 +82,7 @@ def test_no_module_is_over_500_lines():
 
 
 def test_entry_points_only_parse_and_call_the_library():
-    for script in ("train.py", "eval.py"):
+    for script in ("train.py", "eval.py", "plan.py"):
         assert len((ROOT / script).read_text().splitlines()) <= 100, script
 
 
@@ -91,3 +91,81 @@ def test_the_storage_layer_below_the_run_directory_needs_no_jax():
             " print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_training_never_imports_planning():
+    """Planning (AOT compiles, the step-time model, the planner) is its own program over the training library, as
+    MaxText's train_compile.py is; nothing a training or evaluation run executes reaches into it."""
+    trees = modules()
+    training = [n for n in trees if n.split(".")[0] in ("trainer", "gpt2", "data", "configs") or n in ("train", "eval")]
+    reached = {n: sorted(m for m in imports_of(n, trees[n], set(trees)) if m.split(".")[0] in ("planning", "plan"))
+               for n in training}
+    assert not {n: m for n, m in reached.items() if m}
+
+
+def bounded_fields() -> set[str]:
+    """The names of every config field whose Field states a bound."""
+    import dataclasses
+    import typing
+
+    from configs.base import Config
+    from configs.eval import EvalConfig
+    from configs.fields import Field
+    from configs.plan import PlanConfig
+    from data.prepare.config import PrepareConfig
+
+    names, todo = set(), [Config, EvalConfig, PlanConfig, PrepareConfig]
+    while todo:
+        cls = todo.pop()
+        for name, hint in typing.get_type_hints(cls, include_extras=True).items():
+            if dataclasses.is_dataclass(hint):
+                todo.append(hint)
+            elif any(isinstance(m, Field) and m.bound() for m in getattr(hint, "__metadata__", ())):
+                names.add(name)
+    return names
+
+
+def range_checks(tree: ast.Module, fields: set[str]) -> list[tuple[int, str]]:
+    """(line, field) of each `if` that compares one of `fields` with a number and raises or fails."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.If) or not any(
+                isinstance(n, ast.Raise) or (isinstance(n, ast.Call) and getattr(n.func, "id", "") == "fail")
+                for stmt in node.body for n in ast.walk(stmt)):
+            continue
+        for cmp in (n for n in ast.walk(node.test) if isinstance(n, ast.Compare)):
+            sides = [cmp.left, *cmp.comparators]
+            ordering = any(isinstance(op, (ast.Lt, ast.LtE, ast.Gt, ast.GtE)) for op in cmp.ops)
+            number = any(isinstance(s, ast.Constant) and isinstance(s.value, (int, float)) for s in sides)
+            field = [s.attr for s in sides if isinstance(s, ast.Attribute) and s.attr in fields]
+            if ordering and number and field:
+                found.append((node.lineno, field[0]))
+    return found
+
+
+def test_each_config_bound_is_checked_only_by_its_field():
+    """A range check of a config field (`if cfg.batch_size < 1: raise ...`) anywhere but in its Field is a second
+    statement of the bound."""
+    fields = bounded_fields()
+    found = {name: range_checks(tree, fields) for name, tree in modules().items()
+             if name not in ("configs.fields", "tools.pod.cli")}  # the mechanism; the pod launcher's argparse flags
+    assert not {name: lines for name, lines in found.items() if lines}
+
+
+def test_the_range_check_finder_finds_one():
+    code = "def f(cfg):\n    if cfg.train.batch_size < 1:\n        raise ValueError('x')\n    if cfg.steps > 0:\n" \
+           "        print(cfg.steps)\n"
+    assert range_checks(ast.parse(code), bounded_fields()) == [(2, "batch_size")]
+
+
+def test_no_config_docstring_restates_a_fields_meaning():
+    """The meaning of a field lives in its Field; a class docstring's `Attributes:` list would be a second copy."""
+    from configs.base import Config
+    from configs.eval import EvalConfig
+    from data.prepare.config import PrepareConfig
+
+    import dataclasses
+
+    classes = [EvalConfig, PrepareConfig, Config] + [type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)
+                                                      if dataclasses.is_dataclass(getattr(Config(), f.name))]
+    assert not [c.__name__ for c in classes if "Attributes:" in (c.__doc__ or "")]

@@ -17,7 +17,7 @@ from configs.base import CheckpointConfig, Config, OptimConfig, TrainConfig
 from errors import CheckpointError
 from gpt2 import GPT2Config, make_mesh
 from gpt2.sharding import ShardingRules
-from trainer.perf import hlo
+from planning import hlo
 from trainer.program.optimizer import decay_mask, lr_schedule
 from trainer.program.train_program import TrainProgram
 from trainer.run.data_position import realign
@@ -146,7 +146,7 @@ def test_accumulation_with_dropout_equals_running_it_shard_by_shard(rules, shard
 
 def reductions(cfg: Config, mesh) -> dict[tuple[bool, str], float]:
     """Bytes all-reduced or reduce-scattered per call of the compiled train call, by (inside the accumulation loop,
-    mesh axes): read with trainer/perf/hlo.py's HLO reader; the accumulation loop is the one of grad_accum trips."""
+    mesh axes): read with planning/hlo.py's HLO reader; the accumulation loop is the one of grad_accum trips."""
     trainer = TrainProgram.build(cfg, mesh)
     with jax.set_mesh(mesh):
         comps, entry = hlo.parse_hlo(trainer.lower().compile().as_text())

@@ -5,6 +5,6 @@
     python -m tools.pod status --name gpt2-v5e-256 --zone us-west4-a --project my-project
     python -m tools.pod delete --name gpt2-v5e-256 --zone us-west4-a --project my-project
 
-`launch` compiles the train call for the topology first (trainer/perf/aot.py) and refuses one that does not fit;
+`launch` compiles the train call for the topology first (planning/aot.py) and refuses one that does not fit;
 `--dry_run` prints every command and file instead of running them. docs/pods.md has the walk-through.
 """

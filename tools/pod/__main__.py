@@ -32,7 +32,7 @@ def check_fits(job: Job) -> None:
     """Compiles the train call for the topology (`v5e:16x16*2` for 2 slices) and refuses a program that does not
     fit."""
     from tools.pod.cli import check_batch
-    from trainer.perf.aot import compile_for_topology
+    from planning.aot import compile_for_topology
 
     cfg = check_batch(job.train_args, job.num_slices)
     report = compile_for_topology(cfg, job.aot_topology)  # raises DoesNotFit in one line

@@ -162,7 +162,7 @@ def print_plan(job: Job) -> None:
     p = plan(job)
     slices = f" x {job.num_slices} slices" if job.num_slices > 1 else ""
     print(f"# {job.slice.describe()}{slices}; {job.hosts} host(s) run train.py; hosts install {job.commit[:12]}")
-    print(f"# first, unless --skip_aot: python train.py --aot {job.aot_topology} ...   (does it fit?)"
+    print(f"# first, unless --skip_aot: python plan.py --topology {job.aot_topology} ...   (does it fit?)"
           if job.slice.is_tpu else "# no AOT check: it compiles for TPU topologies only")
     for name, text in p.files.items():
         print(f"# file {job.workdir / name}:\n{text}", end="")

@@ -69,7 +69,7 @@ class Job:
 
     @property
     def aot_topology(self) -> str:
-        """What `train.py --aot` compiles for: one slice's topology, `*N` for N slices."""
+        """What `plan.py --topology` compiles for: one slice's topology, `*N` for N slices."""
         return self.slice.aot_topology + (f"*{self.num_slices}" if self.num_slices > 1 else "")
 
     def train_argv(self) -> str:

@@ -64,8 +64,8 @@ class Slice:
 
     @property
     def shape(self) -> str:
-        """The chips' physical layout, as GKE's tpu-topology label and `--aot` write it (v5e-256: 16x16,
-        v4-32: 2x2x4); for these power-of-two sizes it is xpk's default topology of the name."""
+        """The chips' physical layout, as GKE's tpu-topology label and `plan.py --topology` write it (v5e-256:
+        16x16, v4-32: 2x2x4); for these power-of-two sizes it is xpk's default topology of the name."""
         dims = [1, 1, 1] if self.generation in ("v4", "v5p") else [1, 1]
         for i in range(int(math.log2(self.chips))):  # powers of two: double the dimensions in turn
             dims[i % len(dims)] *= 2
@@ -74,7 +74,7 @@ class Slice:
 
     @property
     def aot_topology(self) -> str:
-        """trainer.perf.aot's topology name (v5e:16x16)."""
+        """planning.aot's topology name (v5e:16x16)."""
         return f"{self.generation}:{self.shape}"
 
     def describe(self) -> str:

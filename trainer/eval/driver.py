@@ -41,23 +41,7 @@ def evaluate(cfg: EvalConfig) -> int:
 
 
 def check_args(cfg: EvalConfig) -> None:
-    """Every argument, before any work (flag names as the user typed them)."""
-    if (cfg.run_dir is None) == (cfg.hf is None):
-        raise ConfigError("give exactly one of --run_dir (a training run) or --hf (Hugging Face weights)")
-    if cfg.hf and ((cfg.dataset is None and not cfg.tasks) or cfg.out is None):
-        raise ConfigError("--hf needs --dataset (a prepared corpus; not with --tasks) and --out (where its results"
-                          " go)")
-    if cfg.all and cfg.step is not None:
-        raise ConfigError("give --step or --all, not both")
-    for flag, value, low in (("--batches", cfg.batches, 1), ("--batch_size", cfg.batch_size, 1),
-                             ("--seq_len", cfg.seq_len, 1), ("--max_new_tokens", cfg.max_new_tokens, 1),
-                             ("--top_k", cfg.top_k, 1), ("--seed", cfg.seed, 0), ("--step", cfg.step, 0),
-                             ("--limit", cfg.limit, 1)):
-        if value is not None and value < low:
-            raise ConfigError(f"{flag} must be >= {low}, got {value}")
-    if not (math.isfinite(cfg.temperature) and cfg.temperature >= 0):
-        raise ConfigError(f"--temperature must be a finite number >= 0, got {cfg.temperature}")
-    ShardingRules.preset(cfg.mesh.rules)
+    """What the config cannot know, before any work: whether lm-eval and the tasks asked for are there."""
     if cfg.tasks is not None:
         check_tasks(cfg.tasks, cfg.include_path, ("--tasks", "--include_path"))
 

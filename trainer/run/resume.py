@@ -54,10 +54,9 @@ def restore(run: RunContext) -> Restored:
 
 
 def restore_state(run: RunContext, step: int, saved: dict) -> dict:
-    """The checkpoint's train state, fitted to this run's guard."""
-    guarded = saved["config"].get("guard", {}).get("skip_spikes", False)
-    state = run.ckpt.restore(step, run.program.abstract_state(guard=guarded))
-    return run.program.with_guard_stats(state)
+    """The checkpoint's train state (from any release of this trainer: see TrainProgram.restore_target)."""
+    target, upgrade = run.program.restore_target(saved)
+    return upgrade(run.ckpt.restore(step, target))
 
 
 def check_same_schedule(saved: dict, config: Config, where) -> None:

@@ -1,9 +1,9 @@
 """Ahead-of-time compilation of the real train call for a TPU topology, on a machine without TPUs.
 
-`python train.py --config gpt2_xl_pod --aot v5e:16x16` lowers and compiles exactly what a pod would run
+`python plan.py --config gpt2_xl_pod --topology v5e:16x16` lowers and compiles exactly what a pod would run
 (model, sharding rules, optimizer, K-step scan, batch) against libtpu's description of the topology, with
 abstract arrays only, and reports per-device memory against the chip's HBM and a step-time estimate read from the
-compiled program (trainer/perf/step_time.py).
+compiled program (planning/step_time.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from jax.sharding import Mesh
 
 from configs.base import Config
 from errors import ConfigError
-from trainer.hardware import CHIPS, Chip
-from trainer.perf.compile_store import STORE, CompiledProgram, compile_lowered
-from trainer.perf.step_report import StepTimeEstimate
-from trainer.perf.step_time import estimate_hlo
+from planning.chips import CHIPS, Chip
+from planning.compile_store import STORE, CompiledProgram, compile_lowered
+from planning.step_report import StepTimeEstimate
+from planning.step_time import estimate_hlo
 from trainer.program.mesh import build_mesh
 from trainer.program.train_program import TrainProgram
 
@@ -42,7 +42,7 @@ class AotReport:
     steps_per_call: int
     step_time: StepTimeEstimate  # predicted from the compiled program, per step
     libtpu_vmem_step_s: float  # the same with on-chip memory counted as libtpu's cost model counts it
-    from_store: bool = False  # the compile was read back from trainer/perf/compile_store.py's store
+    from_store: bool = False  # the compile was read back from planning/compile_store.py's store
     slices: int = 1  # slices joined by DCN (`v5e:16x16*2`); the program compiled is one slice's
 
     @property
@@ -83,7 +83,7 @@ class AotReport:
 def chip_of(topology: str) -> tuple[str, Chip]:
     chip = topology.split(":")[0]
     if chip not in CHIPS:
-        raise ConfigError(f"--aot {topology}: unknown TPU generation {chip!r}; known: {sorted(CHIPS)}")
+        raise ConfigError(f"--topology {topology}: unknown TPU generation {chip!r}; known: {sorted(CHIPS)}")
     return chip, CHIPS[chip]
 
 
@@ -94,7 +94,7 @@ def parse_topology(topology: str) -> tuple[str, int]:
     if not star:
         return name, 1
     if not count.isdigit() or int(count) < 1:
-        raise ConfigError(f"--aot {topology}: the number of slices after '*' must be a positive integer, got {count!r}"
+        raise ConfigError(f"--topology {topology}: the number of slices after '*' must be a positive integer, got {count!r}"
                           " (e.g. v5e:16x16*2)")
     return name, int(count)
 
@@ -103,7 +103,7 @@ def topology_devices(topology: str):
     chip, spec = chip_of(topology)
     name, slices = parse_topology(topology)
     # Describing a topology loads libtpu, which by default takes a machine-wide lock as if it owned the TPU. Here it
-    # only compiles, so a second --aot / --plan (or a test) on the same machine may load it too; on a TPU VM set
+    # only compiles, so a second plan.py (or a test) on the same machine may load it too; on a TPU VM set
     # beside a running job, this still leaves the chips to the job (a description allocates nothing).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
@@ -113,7 +113,8 @@ def topology_devices(topology: str):
         )
     except Exception as e:  # libtpu missing, or a name it does not know
         hint = ("" if importlib.util.find_spec("libtpu") else "; install the `tpu` extra (pip install -e '.[tpu]')")
-        raise ConfigError(f"--aot {topology}: cannot describe this topology ({str(e).splitlines()[0]}){hint}") from None
+        raise ConfigError(f"--topology {topology}: cannot describe this topology ({str(e).splitlines()[0]}){hint}"
+                          ) from None
     return topo.devices
 
 
@@ -121,7 +122,7 @@ def for_topology(cfg: Config, topology: str) -> Config:
     """`cfg` spanning the topology's slices (mesh.num_slices from `*N`; a different explicit value is an error)."""
     slices = parse_topology(topology)[1]
     if cfg.mesh.num_slices not in (1, slices):
-        raise ConfigError(f"--aot {topology}: {slices} slice(s), but mesh.num_slices={cfg.mesh.num_slices}")
+        raise ConfigError(f"--topology {topology}: {slices} slice(s), but mesh.num_slices={cfg.mesh.num_slices}")
     return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, num_slices=slices))
 
 
@@ -133,7 +134,7 @@ def compile_for_topology(cfg: Config, topology: str) -> AotReport:
     slices = parse_topology(topology)[1]
     program, mesh = compile_train_call(cfg, topology)
     if program.error is not None:
-        raise DoesNotFit(f"--aot {topology}: does not fit in HBM: {program.error}")
+        raise DoesNotFit(f"--topology {topology}: does not fit in HBM: {program.error}")
     # libtpu's `optimal_seconds` is a sum over the entry computation's ops (a loop body counted once) in which each
     # `ConcatBitcast` custom call counts -1 s: the op with which memory-space assignment's *sliced prefetch* glues
     # a buffer copied HBM->VMEM in pieces (slice-start/slice-done) back together. Our train call has 5 of them at
@@ -141,7 +142,7 @@ def compile_for_topology(cfg: Config, topology: str) -> AotReport:
     # weight shows it alone: -0.99998 as compiled, +2.6e-5 s with compiler_options=
     # {"xla_tpu_sliced_prefetch_max_slices": 0} (no ConcatBitcast). Donation only matters as far as it changes
     # which buffers get sliced prefetches. With that flag the gpt2_124m call gets +0.038 s, but for 10 steps of
-    # 16 micro-batches of 12 layers each counted once: no step time either. Hence trainer/perf/step_time.py.
+    # 16 micro-batches of 12 layers each counted once: no step time either. Hence planning/step_time.py.
     t = cfg.train
     tokens_per_chip = t.batch_size * t.seq_len / mesh.size  # per step
     model_flops = cfg.model.flops_per_token(t.seq_len) * tokens_per_chip
@@ -184,7 +185,7 @@ def run_aot(cfg: Config, topology: str) -> int:
     print(report.text())
     if not report.fits:
         raise ConfigError(
-            f"--aot {topology}: the train call needs {report.total_bytes / 2**30:.2f} GiB per device but a chip"
+            f"--topology {topology}: the train call needs {report.total_bytes / 2**30:.2f} GiB per device but a chip"
             f" has {report.hbm_bytes / 2**30:.0f} GiB HBM; shard more (mesh.fsdp), shrink train.batch_size,"
             " or set model.remat"
         )

@@ -3,7 +3,7 @@ analyses), keyed by the lowered program and everything else that changes the com
 
 An AOT compile of a train call takes from a minute (gpt2_124m on v5e:2x4) to ten (gpt2-xl on v5e:16x16) on a
 2-core machine, and JAX's persistent compilation cache cannot keep them (a compile-only TPU client's executables
-are not serializable). The step-time model reads only the HLO text, so a re-run of `--aot` or `--plan` — after a
+are not serializable). The step-time model reads only the HLO text, so a re-run of `plan.py` — after a
 change to the cost model, or a search that revisits a candidate — estimates again in seconds from the stored
 text. A refusal (the program does not fit) is kept too: the compiler's message is the result.
 """

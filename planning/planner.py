@@ -1,10 +1,11 @@
-"""Choosing a preset's layout for a TPU topology by compiling candidates: `train.py --config P --plan TOPOLOGY`.
+"""Choosing a preset's layout for a TPU topology by compiling candidates: `plan.py --config P --topology T --search`.
 
 A candidate is the preset with a few fields changed along five axes — the attention kernel, the sharding layout
 (rules and mesh shape), the micro-batch (train.grad_accum), the remat policy and scanned vs unrolled layers.
-Each is compiled for the topology by trainer/perf/aot.py, as `--aot` would, with train.steps_per_call=1 (the estimate
-is per optimizer step and the K-step scan only repeats it: a 10-step call of gpt2_124m gives the same FLOPs and
-collectives per step and HBM traffic within 0.6 %), and ranked by its predicted step time (trainer/perf/step_time.py).
+Each is compiled for the topology by planning/aot.py, as `plan.py` without `--search` would, with
+train.steps_per_call=1 (the estimate is per optimizer step and the K-step scan only repeats it: a 10-step call of
+gpt2_124m gives the same FLOPs and collectives per step and HBM traffic within 0.6 %), and ranked by its predicted
+step time (planning/step_time.py).
 
 A full grid would be hundreds of compiles of 30 s–10 min each. The search is coordinate descent instead, in one
 pass: starting from the preset, it tries the values of one axis with the others held, keeps the best, and moves
@@ -27,9 +28,10 @@ import jax
 from tqdm.auto import tqdm
 
 from configs.base import Config
+from configs.plan import PlanConfig
 from errors import ConfigError
-from trainer.perf.aot import DoesNotFit, chip_of, compile_for_topology, for_topology, parse_topology, topology_devices
-from trainer.perf.step_report import BACKTEST_BAND
+from planning.aot import DoesNotFit, chip_of, compile_for_topology, for_topology, parse_topology, topology_devices
+from planning.step_report import BACKTEST_BAND
 
 # The axes in the order the descent visits them, those that change a step's largest costs first (per-micro-batch
 # gradient collectives and overheads, recomputation, the scan's saved activations), so that a search cut short
@@ -37,7 +39,6 @@ from trainer.perf.step_report import BACKTEST_BAND
 # attention change the memory a micro-batch needs.
 AXES = ("micro_batch", "remat", "scan_layers", "layout", "attention", "micro_batch")
 REMAT = ("none", "dots", "full")
-DEFAULT_BUDGET_S = 1800.0  # --plan_budget: about 6 compiles of gpt2_124m on a busy 2-core machine
 MICRO_ROWS = (1, 2, 4, 8, 16, 32, 64)  # sequences per chip per micro-batch
 
 Changes = tuple[tuple[str, object], ...]  # (dotted config field, value), sorted: a candidate's identity
@@ -55,7 +56,7 @@ class Outcome:
     bottleneck: str
     compile_s: float
     error: str | None = None  # "does not fit: ..." or the compile's first error line
-    from_store: bool = False  # read back from an earlier compile (trainer/perf/compile_store.py)
+    from_store: bool = False  # read back from an earlier compile (planning/compile_store.py)
     mfu_causal: float | None = None  # predicted MFU counting causal attention only (MaxText's, llm.c's convention)
     expected: str | None = None  # the step and MFU range the back-test's error band gives (StepTimeEstimate)
 
@@ -150,7 +151,6 @@ def options(axis: str, cfg: Config, devices: int) -> list[dict[str, object]]:
 
 @dataclasses.dataclass
 class Plan:
-    preset: str
     topology: str
     outcomes: dict[Changes, Outcome]  # every candidate compiled, in order
     best: Changes
@@ -270,7 +270,7 @@ def compile_candidate(topology: str) -> Compile:
     return compile
 
 
-def plan(preset_name: str, cfg: Config, topology: str, *, budget_s: float, compile: Compile | None = None,
+def plan(cfg: Config, topology: str, *, budget_s: float, compile: Compile | None = None,
          show_progress: bool = True) -> Plan:
     """Searches candidates around `cfg` for `topology`; `compile` defaults to compiling through libtpu."""
     chip_of(topology)  # an unknown generation is one line, before anything compiles
@@ -279,7 +279,7 @@ def plan(preset_name: str, cfg: Config, topology: str, *, budget_s: float, compi
     with tqdm(desc=f"plan {topology}", unit="compile", disable=not show_progress, leave=False) as bar:
         search = Search(cfg, devices, compile or compile_candidate(topology), budget_s=budget_s, progress=bar)
         best = search.run()
-    return Plan(preset_name, topology, search.outcomes, best, budget_s, time.monotonic() - search.started,
+    return Plan(topology, search.outcomes, best, budget_s, time.monotonic() - search.started,
                 search.stopped_by_budget)
 
 
@@ -326,8 +326,8 @@ def text(p: Plan, hbm_bytes: float) -> str:
     budget = (f"stopped at the budget of {p.budget_s:.0f} s" if p.stopped_by_budget
               else f"within the budget of {p.budget_s:.0f} s")
     lines = [
-        f"Plan for --config {p.preset} on {p.topology}: {len(p.outcomes)} candidates compiled in"
-        f" {p.elapsed_s:.0f} s ({budget}; --plan_budget SECONDS).",
+        f"Plan for {p.topology}: {len(p.outcomes)} candidates compiled in {p.elapsed_s:.0f} s ({budget};"
+        " --budget SECONDS).",
         "Search: coordinate descent from the preset, one pass over " + ", ".join(AXES) + " — one axis at a"
         " time, the others held at the best so far; not a full grid.",
         f"Figures per chip, predicted from each compiled program (train.steps_per_call=1), not measured; HBM"
@@ -351,20 +351,10 @@ def text(p: Plan, hbm_bytes: float) -> str:
     return "\n".join(lines)
 
 
-def run_plan(name: str, cfg: Config, topology: str, budget: str | None) -> int:
-    """`train.py --config NAME --plan TOPOLOGY [--plan_budget SECONDS]`: prints the plan's table."""
-    p = plan(name, cfg, topology, budget_s=budget_seconds(budget))
-    print(text(p, chip_of(topology)[1].hbm_bytes))
+def run_plan(cfg: PlanConfig) -> int:
+    """`plan.py --topology T --search [--budget SECONDS]`: prints the plan's table."""
+    p = plan(cfg.run, cfg.topology, budget_s=cfg.budget)
+    print(text(p, chip_of(cfg.topology)[1].hbm_bytes))
     if not p.outcomes[p.best].fits:
-        raise ConfigError(f"--plan {topology}: no candidate fits")
+        raise ConfigError(f"--topology {cfg.topology}: no candidate fits")
     return 0
-
-
-def budget_seconds(value: str | None) -> float:
-    try:
-        budget = float(value) if value is not None else DEFAULT_BUDGET_S
-    except ValueError:
-        budget = -1.0
-    if not budget > 0:
-        raise ConfigError(f"--plan_budget must be a positive number of seconds, got {value!r}")
-    return budget

@@ -1,7 +1,7 @@
 """The step-time estimate's figures and its report: the predicted step, MFU in both conventions, the bottleneck and
-the error band the back-test against published measurements gives (benchmarks/backtest.py).
+the error band the back-test against published measurements gives (planning/backtest.py).
 
-trainer/perf/step_time.py makes a `StepTimeEstimate` from a compiled program; `--aot` prints its `lines()` and the
+planning/step_time.py makes a `StepTimeEstimate` from a compiled program; `plan.py` prints its `lines()` and the
 planner ranks candidates by its `row()`.
 """
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from trainer.hardware import Chip
-from trainer.perf import op_cost
-from trainer.perf.collectives import Collective
+from planning.chips import Chip
+from planning import op_cost
+from planning.collectives import Collective
 
 # How long published TPU runs' measured steps took, as a multiple of this model's prediction for their closest
-# analog: the smallest and largest ratio measured / predicted in benchmarks/backtest.py's table (the sources, the
+# analog: the smallest and largest ratio measured / predicted in planning/backtest.py's table (the sources, the
 # analogs and each ratio: docs/aot_planning.md, "Back-test"). A prediction is printed with the range it implies.
 BACKTEST_BAND = (0.77, 1.15)  # llama3_8b_v6e8 0.77 ... maxtext_16b_v5e 1.15 (6 runs on v4, v5e, v5p, v6e)
 

@@ -4,7 +4,7 @@ plus the collectives (ICI; DCN between slices) that the schedule leaves exposed.
 libtpu's own cost model (`compiled.cost_analysis()["optimal_seconds"]`) gives up on our train call (it returns a
 negative number), and XLA's flop count covers a loop body once. This module walks the compiled program's HLO text
 (`compiled.as_text()`, the module libtpu scheduled) instead, costing each op as libtpu's model costs it on its own
-(trainer/perf/op_cost.py; benchmarks/calibrate_step_time.py checks the two agree):
+(planning/op_cost.py; planning/calibrate.py checks the two agree):
 
 - compute: the MXU's FLOPs (convolutions and dots, from their shapes) and the transcendentals (exp, tanh, rsqrt, ...
   one per element), each at libtpu's rate for the chip; splash attention's Pallas kernels from their block shapes;
@@ -22,7 +22,7 @@ The predicted step is the ops in series plus the exposed collectives, and no les
 prefetches are DMAs beside the compute). Everything here is a prediction from the compiled program, not a
 measurement.
 
-`estimate(compiled, chip, mesh)` is the entry point (trainer/perf/aot.py's report; a planner ranking candidate
+`estimate(compiled, chip, mesh)` is the entry point (planning/aot.py's report; a planner ranking candidate
 configurations by `StepTimeEstimate.row()`).
 """
 
@@ -33,11 +33,11 @@ import math
 import re
 from functools import cached_property
 
-from trainer.hardware import CHIPS, Chip
-from trainer.perf import op_cost
-from trainer.perf.collectives import COLLECTIVES, Collective, collective_seconds, dcn_collective, dcn_kind
-from trainer.perf.hlo import Computation, Instr, called, memory_space, mesh_axis, parse_hlo, replica_groups, trip_count
-from trainer.perf.step_report import StepTimeEstimate
+from planning.chips import CHIPS, Chip
+from planning import op_cost
+from planning.collectives import COLLECTIVES, Collective, collective_seconds, dcn_collective, dcn_kind
+from planning.hlo import Computation, Instr, called, memory_space, mesh_axis, parse_hlo, replica_groups, trip_count
+from planning.step_report import StepTimeEstimate
 
 # ---------------------------------------------------------------------------------------------- costs
 

@@ -1,7 +1,7 @@
 """What one op of a compiled TPU program costs one chip, at the rates of libtpu's own cost model.
 
 libtpu's `optimal_seconds` (`compiled.cost_analysis()`) for a program of standalone ops is, within 1.9 % (median
-0.0 %) on every op class benchmarks/calibrate_step_time.py sweeps, the sum over the program's instructions of
+0.0 %) on every op class planning/calibrate.py sweeps, the sum over the program's instructions of
 
     max(FLOPs / mxu_flops_per_s, transcendentals / transcendentals_per_s, bytes / hbm_bytes_per_s)
 
@@ -10,7 +10,7 @@ with three rates per chip (RATES) and these counts:
   1100] matmul costs its own FLOPs on every generation), float32 at the bfloat16 rate, and no size-dependent
   efficiency (512³ to 8192³ all run at the same rate);
 - transcendentals (exp, log, tanh, rsqrt, ...): one per element, at one per vector lane per clock;
-- bytes: every operand and result at its stored size, tile padding included (trainer/perf/hlo.py's
+- bytes: every operand and result at its stored size, tile padding included (planning/hlo.py's
   stored_elements).
 Reductions, transposes and elementwise arithmetic have no term of their own (libtpu counts elementwise FLOPs at
 the MXU's rate, 1/200 of their bytes' time or less; we leave them out).
@@ -19,7 +19,7 @@ The gaps our old per-op roofline showed against libtpu (1.1-5.7x) were accountin
 (head_dim 64 stored 128 wide), HBM rates below the published peaks, a fusion read we missed, and libtpu's VMEM.
 For a program whose input the compiler prefetches into VMEM, libtpu charges that copy four times the array's size
 (its operand, its two-array result, then the copy-done's result) and each later read from VMEM once more, all at
-the HBM rate and in series. trainer/perf/step_time.py counts bytes where they move instead: VMEM (layout memory space
+the HBM rate and in series. planning/step_time.py counts bytes where they move instead: VMEM (layout memory space
 S(1)) costs no HBM time, and an async copy is a DMA beside the compute. The calibration therefore compiles its
 ops without memory-space assignment (HBM_ONLY), where both count the same bytes.
 """
@@ -32,7 +32,7 @@ import re
 
 import numpy as np
 
-from trainer.perf.hlo import Computation, Instr
+from planning.hlo import Computation, Instr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +44,12 @@ class Rates:
     hbm_bytes_per_s: float
 
 
-# Fitted to the sweep in benchmarks/calibrate_step_time.py on 2026-11-25, libtpu 0.0.42.1 (jax 0.10.2): 228 programs
+# Fitted to the sweep in planning/calibrate.py on 2026-11-25, libtpu 0.0.42.1 (jax 0.10.2): 228 programs
 # (per chip 3 rate probes + 9 op classes × 6 GPT-2 shapes), each rate the largest count / optimal_seconds over
 # them, which the probe bound by that term attains. Our estimate / libtpu over the sweep: median 1.000, range
 # 0.981-1.000 (max error 1.9 %, on the cross-entropy: libtpu charges its label gather 5-8 KB per gathered element,
 # a tile's worth, where we count the element).
-# Against the published peaks (trainer/hardware.py's CHIPS): the MXU at 100 % of peak but on v5p (86 %: 394 of
+# Against the published peaks (planning/chips.py): the MXU at 100 % of peak but on v5p (86 %: 394 of
 # 459 TFLOP/s), HBM at 82 % (v4), 90 % (v5e), 85 % (v5p), 100 % (v6e); transcendentals at 1024 lanes × clock
 # (v4 1.05 GHz, v5e 1.5, v6e 1.75) and 2048 × 1.5 GHz on v5p.
 RATES = {

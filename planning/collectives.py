@@ -1,6 +1,6 @@
 """What a collective costs one chip: its bytes over the mesh axis its device groups run along, at the ICI bandwidth
 of a bidirectional ring along that axis, or, between the slices of a multislice program, at the chip's share of its
-host's data-center network (DCN) bandwidth (trainer/hardware.py's Chip figures).
+host's data-center network (DCN) bandwidth (planning/chips.py).
 
 libtpu compiles a multislice program as one slice's program: the replica groups of its collectives never leave the
 slice, and each reduction across slices is a `send` / `recv` pair handed to the host's DCN runtime ("megascale"),
@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from trainer.hardware import Chip
-from trainer.perf.hlo import Instr
+from planning.chips import Chip
+from planning.hlo import Instr
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 

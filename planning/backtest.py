@@ -1,9 +1,9 @@
 """The step-time model against published measurements: each entry is a dense decoder whose training step was
 measured on a TPU and published with its configuration; its closest GPT-2-architecture analog is compiled for the
-same topology (`--aot`, stored by trainer/perf/compile_store.py) and its predicted step set beside the measured one.
+same topology (`plan.py`, stored by planning/compile_store.py) and its predicted step set beside the measured one.
 
-    python -m benchmarks.backtest                   # every entry (the first run compiles: minutes to an hour)
-    python -m benchmarks.backtest --entries marin_300m maxtext_22b_v4 --json out.json
+    python -m planning.backtest                   # every entry (the first run compiles: minutes to an hour)
+    python -m planning.backtest --entries marin_300m maxtext_22b_v4 --json out.json
 
 The analog keeps the source's depth, width, heads, sequence length, vocabulary, global batch, chips and sharding
 (FSDP over every chip, as the sources ran), with this model's architecture: learned positions, LayerNorm, a GELU
@@ -22,8 +22,8 @@ import json
 import configs
 from configs.base import Config
 from configs.cli import parse
-from trainer.perf.aot import chip_of, compile_train_call
-from trainer.perf.step_time import estimate_hlo
+from planning.aot import chip_of, compile_train_call
+from planning.step_time import estimate_hlo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +95,7 @@ ENTRIES = [
 
 def run(entry: Published) -> dict:
     """Compiles (or reads back) the analog and returns its predicted step beside the measured one, with VMEM
-    counted as trainer/perf/step_time.py does by default and as libtpu's own cost model counts it."""
+    counted as planning/step_time.py does by default and as libtpu's own cost model counts it."""
     program, mesh = compile_train_call(entry.config(), entry.topology)
     if program.error is not None:
         return {"name": entry.name, "topology": entry.topology, "error": program.error}

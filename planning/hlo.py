@@ -1,6 +1,6 @@
 """A reader of compiled HLO text (`compiled.as_text()`, the optimized module libtpu scheduled): its computations and
 instructions with their array shapes, dtypes and memory spaces, collectives' device groups and the mesh axes they
-run over, and while loops' trip counts. trainer/perf/step_time.py costs what this reads.
+run over, and while loops' trip counts. planning/step_time.py costs what this reads.
 """
 
 from __future__ import annotations

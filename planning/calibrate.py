@@ -1,8 +1,8 @@
-"""Calibrates trainer/perf/op_cost.py against libtpu's own cost model: each op class the step-time estimate costs,
+"""Calibrates planning/op_cost.py against libtpu's own cost model: each op class the step-time estimate costs,
 compiled on its own for a TPU topology (no TPU needed), our estimate vs libtpu's `optimal_seconds`.
 
-    python -m benchmarks.calibrate_step_time          # 4 generations × (3 rate probes + 9 classes × 6 shapes)
-    python -m benchmarks.calibrate_step_time --chips v5e v6e --draws 2 --seed 7 --json sweep.json --fit
+    python -m planning.calibrate          # 4 generations × (3 rate probes + 9 classes × 6 shapes)
+    python -m planning.calibrate --chips v5e v6e --draws 2 --seed 7 --json sweep.json --fit
 
 Each op runs on every chip of a 4-chip mesh with replicated inputs (or rows split over the chips, where a class
 says so), compiled with op_cost.HBM_ONLY; each chip gets its own draws. Shapes are drawn from the GPT-2 range: rows 512..16384, widths
@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from trainer.perf import (  # noqa: E402
+from planning import (  # noqa: E402
     hlo,
     op_cost,  # noqa: E402
     step_time,
@@ -182,7 +182,7 @@ RATE_PROBES = (
 
 
 def mesh_for(chip: str) -> jax.sharding.Mesh:
-    from trainer.perf.aot import topology_devices
+    from planning.aot import topology_devices
 
     return jax.make_mesh((CHIPS_PER_MESH,), ("data",), devices=topology_devices(TOPOLOGIES[chip]))
 

@@ -1,0 +1,34 @@
+"""plan.py's configuration: a training run's config (any preset, any override) plus what to compile it for."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated
+
+import tyro
+
+from configs.base import Config
+from configs.fields import Field
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig(Config):
+    """A training run compiled for a TPU topology instead of trained: its memory and predicted step time, or a
+    search over its layout."""
+
+    topology: Annotated[str, Field(
+        "the TPU slice to compile for, as libtpu names it: GENERATION:SHAPE (v4, v5e, v5p, v6e; e.g. v5e:2x4,"
+        " v5p:4x4x4); TOPOLOGY*N: N slices joined by the data-center network, e.g. v5e:16x16*2")] = tyro.MISSING
+    search: Annotated[bool, Field(
+        "compile the preset's candidate layouts, micro-batches, remat policies, scanned/unrolled layers and"
+        " attention kernels, and rank them by predicted step time (instead of compiling the run as"
+        " configured)")] = False
+    # about 6 compiles of gpt2_124m on a busy 2-core machine
+    budget: Annotated[float, Field(
+        "with --search, stop starting compiles after this many seconds (a compile under way finishes)",
+        gt=0)] = 1800.0
+
+    @property
+    def run(self) -> Config:
+        """The training run's own config (without plan.py's fields)."""
+        return Config(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Config)})
