@@ -189,7 +189,14 @@ class DistributedConfig(Checked, section="distributed"):
     heartbeat_timeout_seconds: Annotated[int, Field(
         "a process missing this long is declared dead and the others exit with an error instead of waiting"
         " forever", ge=1)] = 100
-    initialization_timeout: Annotated[int, Field("seconds to wait for every process to join", ge=1)] = 300
+    initialization_timeout: Annotated[int, Field(
+        "seconds to wait for every process to join: then every process that can ends in one line naming those that"
+        " did not check in (trainer/rollcall.py)", ge=1)] = 300
+    startup_timeout_seconds: Annotated[float, Field(
+        "seconds from the job's forming by which every process must have finished its first train call (restore,"
+        " build, compile: minutes on a pod; several processes only); 0: unbounded. A process late to a start-up"
+        " point (an agreement, the first call) is named in one line on every process; one stuck inside its first"
+        " call ends itself 30 s after", ge=0)] = 1800.0
     stall_timeout_seconds: Annotated[float | None, Field(
         "end the job when no train call has finished for this long (one process too): each process that can"
         " still act writes its threads' stacks to <run_dir>/logs/stacks.<i>.txt and exits 2 with one line. None:"

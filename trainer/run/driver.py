@@ -46,7 +46,8 @@ def train(cfg: Config) -> int:
     check_eval_tasks(cfg)
     initialize_distributed(cfg.distributed)
     joined = time.time()
-    with failing_together():  # from here on, one process's error ends every process of the job
+    with failing_together(cfg.distributed.startup_timeout_seconds):  # from here on, one process's error ends
+        # every process of the job, and the start-up is bounded
         return _build_and_run(cfg, entered, joined)
 
 

@@ -18,6 +18,7 @@ import jax
 
 from configs.base import Config
 from trainer.hardware import peak_flops_per_device
+from trainer.processes import first_call_finished, start_up_point
 from trainer.run.context import RunContext
 from trainer.run.data_position import rows_consumed_or_none
 from trainer.run.observers import (CallTimes, EvalTasks, FinishedCall, Observer, Progress, StallWatch, Tracing,
@@ -76,6 +77,8 @@ class TrainingLoop:
         while self.step < self.stop:
             n = steps_this_call(self.step, self.stop, self.cfg)
             batches, active = self.next_batches(n, waiting=pending is None)
+            if self.calls == 0:
+                start_up_point("its first train call")  # every process there, or the late ones named
             self.notify("call_dispatched", self.step, n)
             accounted_from = self.run.timeline.mark  # the first call compiles: the timeline carves that out
             self.state, metrics = call(self.state, batches, active)
@@ -126,6 +129,8 @@ class TrainingLoop:
         probed = (checked, time.time()) if probe else None  # the pre-save probe (a forward pass): checkpoint work
         finished = FinishedCall(c.step, metrics, elapsed, c.accounted_from, probed)
         if problem is None:
+            if c.step == self.first:
+                first_call_finished()  # the start-up is over
             self.notify("call_finished", finished)
             return True
         self.notify("call_lost", finished)  # computed, and lost with the rollback
