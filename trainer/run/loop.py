@@ -18,11 +18,10 @@ import jax
 
 from configs.base import Config
 from trainer.hardware import peak_flops_per_device
-from trainer.processes import first_call_finished, start_up_point
 from trainer.run.context import RunContext
 from trainer.run.data_position import rows_consumed_or_none
-from trainer.run.observers import (CallTimes, EvalTasks, FinishedCall, Observer, Progress, StallWatch, Tracing,
-                                   Validation)
+from trainer.run.observers import (CallTimes, EvalTasks, FinishedCall, Observer, Progress, StallWatch, StartUp,
+                                   Tracing, Validation)
 from trainer.run.preemption import Preemption
 from trainer.run.rollback import health, roll_back
 from trainer.run.watchdog import Watchdog
@@ -77,8 +76,6 @@ class TrainingLoop:
         while self.step < self.stop:
             n = steps_this_call(self.step, self.stop, self.cfg)
             batches, active = self.next_batches(n, waiting=pending is None)
-            if self.calls == 0:
-                start_up_point("its first train call")  # every process there, or the late ones named
             self.notify("call_dispatched", self.step, n)
             accounted_from = self.run.timeline.mark  # the first call compiles: the timeline carves that out
             self.state, metrics = call(self.state, batches, active)
@@ -129,8 +126,6 @@ class TrainingLoop:
         probed = (checked, time.time()) if probe else None  # the pre-save probe (a forward pass): checkpoint work
         finished = FinishedCall(c.step, metrics, elapsed, c.accounted_from, probed)
         if problem is None:
-            if c.step == self.first:
-                first_call_finished()  # the start-up is over
             self.notify("call_finished", finished)
             return True
         self.notify("call_lost", finished)  # computed, and lost with the rollback
@@ -164,7 +159,7 @@ def run_to_stop(run: RunContext, state, preemption: Preemption, logger: MetricsL
     evaluations = [Validation(run, logger, progress)] + ([EvalTasks(run, logger, progress, watchdog)]
                                                          if cfg.train.eval_tasks else [])
     # in this order at every point: the watchdog last, so that it beats after the others' work
-    observers = [progress, CallTimes(run), Tracing(profile), *evaluations, StallWatch(watchdog)]
+    observers = [StartUp(), progress, CallTimes(run), Tracing(profile), *evaluations, StallWatch(watchdog)]
     loop = TrainingLoop(run, state, preemption, observers, meta)
     with finishing_saves(run.ckpt), profile:
         with watchdog:

@@ -21,6 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from trainer.corpus import val_dataset
+from trainer.processes import first_call_finished, start_up_point
 from trainer.run.context import RunContext
 from trainer.run.watchdog import Watchdog
 from trainer.storage.run_dir import merge_eval_results
@@ -65,6 +66,17 @@ class Observer:
     def evaluation(self, params, step: int) -> None: ...
 
     def checkpoint_saved(self, step: int) -> None: ...
+
+
+class StartUp(Observer):
+    """The job's start-up, which trainer/processes.py bounds, ends with the first train call: every process waits
+    for the others at its dispatch (a late one is named on all of them), and its end is the start-up's."""
+
+    def call_dispatched(self, step: int, n: int) -> None:
+        start_up_point("its first train call")  # nothing once the start-up is over
+
+    def call_finished(self, call: FinishedCall) -> None:
+        first_call_finished()
 
 
 class Progress(Observer):
