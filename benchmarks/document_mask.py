@@ -22,7 +22,7 @@ import numpy as np
 
 import configs
 from data.prepare import prepare_shakespeare
-from gpt2 import make_mesh
+from trainer.program.mesh import make_mesh
 from trainer.program.train_program import TrainProgram
 
 VARIANTS = {

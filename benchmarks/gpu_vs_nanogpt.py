@@ -41,7 +41,7 @@ def ours(attention: str, k: int, calls: int) -> dict:
     import numpy as np
 
     from configs.base import Config, OptimConfig, TrainConfig
-    from gpt2 import make_mesh
+    from trainer.program.mesh import make_mesh
     from trainer.program.train_program import TrainProgram
 
     cfg = Config(model=model_config(attention), train=TrainConfig(batch_size=BATCH, seq_len=SEQ, steps_per_call=k,

@@ -26,7 +26,8 @@ import numpy as np
 from configs.base import CheckpointConfig, Config, OptimConfig, TrainConfig
 from data.loader import LoaderConfig, make_dataset
 from data.prepare import prepare_shakespeare
-from gpt2 import GPT2Config, make_mesh
+from gpt2 import GPT2Config
+from trainer.program.mesh import make_mesh
 from gpt2.config import RematPolicy
 from trainer.hardware import measure_matmul_peak
 from trainer.malloc import keep_freed_memory

@@ -43,5 +43,9 @@ def from_dict(d: dict, cls: type | None = None):
     for f in dataclasses.fields(cls):
         if f.name in d:
             value = d[f.name]
-            kwargs[f.name] = from_dict(value, hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else value
+            if dataclasses.is_dataclass(hints[f.name]):
+                value = from_dict(value, hints[f.name])
+            elif typing.get_origin(hints[f.name]) is tuple:  # JSON has no tuples
+                value = tuple(value)
+            kwargs[f.name] = value
     return cls(**kwargs)

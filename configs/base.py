@@ -102,8 +102,9 @@ class TrainConfig(Checked, section="train"):
         "evaluate the validation loss every this many steps (0: only at the last step, where an evaluation"
         " always runs)", ge=0)] = 100
     eval_batches: Annotated[int, Field("validation batches per evaluation", ge=1)] = 10
-    sample_prompt: Annotated[str, Field(
-        "text sampled from at the end of training (it must fit model.block_size)")] = "ROMEO:"
+    sample_prompt: Annotated[str | None, Field(
+        "text sampled from at the end of training (it must fit model.block_size); None: \"ROMEO:\" on the embedded"
+        " Shakespeare corpus, an unconditional sample (from <|endoftext|>) on any other")] = None
     sample_tokens: Annotated[int, Field(
         "tokens generated for that sample (0: no sample); past model.block_size each is sampled from the last"
         " block_size tokens, as nanoGPT does", ge=0)] = 100
@@ -188,7 +189,14 @@ class DistributedConfig(Checked, section="distributed"):
     heartbeat_timeout_seconds: Annotated[int, Field(
         "a process missing this long is declared dead and the others exit with an error instead of waiting"
         " forever", ge=1)] = 100
-    initialization_timeout: Annotated[int, Field("seconds to wait for every process to join", ge=1)] = 300
+    initialization_timeout: Annotated[int, Field(
+        "seconds to wait for every process to join: then every process that can ends in one line naming those that"
+        " did not check in (trainer/rollcall.py)", ge=1)] = 300
+    startup_timeout_seconds: Annotated[float, Field(
+        "seconds from the job's forming by which every process must have finished its first train call (restore,"
+        " build, compile: minutes on a pod; several processes only); 0: unbounded. A process late to a start-up"
+        " point (an agreement, the first call) is named in one line on every process; one stuck inside its first"
+        " call ends itself 30 s after", ge=0)] = 1800.0
     stall_timeout_seconds: Annotated[float | None, Field(
         "end the job when no train call has finished for this long (one process too): each process that can"
         " still act writes its threads' stacks to <run_dir>/logs/stacks.<i>.txt and exits 2 with one line. None:"

@@ -16,7 +16,7 @@ CONFIG = Config(
     optim=OptimConfig(lr=2e-3, warmup_steps=50, weight_decay=0.1, min_lr_ratio=0.1),
     train=TrainConfig(
         steps=600, batch_size=8, seq_len=128, steps_per_call=10,
-        eval_every=100, eval_batches=8, sample_prompt="ROMEO:", sample_tokens=120,
+        eval_every=100, eval_batches=8, sample_tokens=120,
     ),
     checkpoint=CheckpointConfig(every=200, keep=3),
 )

@@ -48,10 +48,15 @@ def open_corpus(directory: str | os.PathLike, *, vocab_size: int, min_tokens: in
     truncated or padded copy is refused), the largest id, enough tokens for one window."""
     directory = Path(directory)
     meta_path = directory / META
+    if directory.is_file():  # a source (a .jsonl, a .txt) given where its prepared corpus belongs
+        raise DataError(f"{directory} is a file, not a prepared corpus directory; tokenize it first: python -m"
+                        f" data.prepare --source {directory} --out_dir DIR, then pass DIR (docs/data.md)")
     if not directory.is_dir():
-        raise DataError(f"{directory}: dataset directory does not exist")
+        raise DataError(f"{directory}: no such corpus directory; prepare one there: python -m data.prepare --source"
+                        f" YOUR_FILES --out_dir {directory} (docs/data.md)")
     if not meta_path.is_file():
-        raise DataError(f"{meta_path}: missing (prepare the corpus with `python -m data.prepare`)")
+        raise DataError(f"{meta_path}: missing, so {directory} is not a prepared corpus; prepare one there: python -m"
+                        f" data.prepare --source YOUR_FILES --out_dir {directory} (docs/data.md)")
     try:
         meta = json.loads(meta_path.read_text())
     except ValueError as e:

@@ -7,9 +7,9 @@ from gpt2.config import ConfigError, GPT2Config
 from gpt2.hf import from_hf, to_hf
 from gpt2.model import GPT2
 from gpt2.sharded_init import create_sharded_model, param_report
-from gpt2.sharding import ShardingRules, make_mesh
+from gpt2.sharding import ShardingRules
 
 __all__ = [
     "ConfigError", "GPT2", "GPT2Config", "ShardingRules", "create_sharded_model", "from_hf",
-    "make_mesh", "param_report", "to_hf",
+    "param_report", "to_hf",
 ]

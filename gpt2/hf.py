@@ -139,6 +139,10 @@ def to_hf(model: GPT2, out_dir: str | os.PathLike) -> Path:
         for name, array in _scatter(path, value, config):
             tensors["transformer." + name] = np.ascontiguousarray(array)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    # safetensors writes through a private temporary file (mode 0600): give it the mode any file written here gets
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(out / "model.safetensors", 0o666 & ~mask)
     (out / "config.json").write_text(json.dumps(_hf_config(config), indent=2))
     return out
 

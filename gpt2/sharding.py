@@ -116,39 +116,6 @@ def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
     return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
 
 
-def make_mesh(
-    data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[jax.Device] | None = None
-) -> Mesh:
-    """A ('data', 'fsdp', 'tensor') mesh over `devices` (default: all). One size may be -1 ("the rest")."""
-    devices = list(jax.devices() if devices is None else devices)
-    shape = mesh_shape(data, fsdp, tensor, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
-
-
-def mesh_shape(data: int, fsdp: int, tensor: int, devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) sizes over `devices` devices, the one -1 resolved to the devices the others leave."""
-    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
-    for axis, size in sizes.items():
-        if not isinstance(size, int) or size == 0 or size < -1:
-            raise ConfigError(f"mesh.{axis} must be a positive integer or -1, got {size!r}")
-    free = [a for a, s in sizes.items() if s == -1]
-    if len(free) > 1:
-        raise ConfigError(f"only one mesh axis may be -1, got {free}")
-    fixed = int(np.prod([s for s in sizes.values() if s != -1]))
-    if free:
-        if devices % fixed:
-            raise ConfigError(
-                f"mesh {sizes}: {devices} devices are not divisible by the fixed axes' product {fixed}"
-            )
-        sizes[free[0]] = devices // fixed
-    if int(np.prod(list(sizes.values()))) != devices:
-        raise ConfigError(
-            f"mesh data×fsdp×tensor = {sizes['data']}×{sizes['fsdp']}×{sizes['tensor']} ="
-            f" {int(np.prod(list(sizes.values())))} but there are {devices} devices"
-        )
-    return tuple(sizes[a] for a in MESH_AXES)
-
-
 def logical_axes_of(variable) -> tuple[str | None, ...]:
     """The logical names attached to an nnx.Variable (() for unannotated scalars)."""
     return tuple(variable.get_metadata().get("out_sharding") or ())

@@ -1,12 +1,25 @@
-"""A simulated cloud for tools.pod's tests: fake `gcloud`, `xpk`, `kubectl`, `sbatch`, `squeue`, `sacct`,
-`scancel` executables on PATH that record every call, and TPU VMs that are local processes.
+"""A simulated cloud for tools.pod's tests: fake `gcloud`, `xpk`, `kubectl`, `sbatch`, `srun`, `squeue`, `sacct`,
+`scancel`, `scontrol` executables on PATH that record every call, and hosts that are local processes, each with
+CPU devices, its own home directory and what its real platform gives it (no PYTHONPATH to this checkout):
 
-`gcloud compute tpus queued-resources create` makes a slice whose hosts are directories (each host's home) and
-a coordinator port; `tpu-vm ssh --worker=all --command=C` runs C with bash on every host at once, as a TPU VM
-would: its own home, TPU_WORKER_ID / TPU_WORKER_HOSTNAMES (127.0.0.1 for each host), CPU devices (one per
-chip) and no PYTHONPATH; without --worker=all only worker 0 runs it, as gcloud does. The VM image's `python3
--m venv` makes an environment whose python is this interpreter (the image has the packages: its pip records and
-does nothing). `preempt` kills a slice's processes and marks it SUSPENDED, as a spot preemption does.
+- TPU VMs (`gcloud compute tpus queued-resources create`): a metadata server per host (GCE_METADATA_IP) answering
+  agent-worker-number, worker-network-endpoints and, for several slices, tpu-env's MEGASCALE_* lines: what JAX's
+  GceTpuCluster reads. `tpu-vm ssh --worker=all` runs a command on every host of a slice at once, as gcloud's GA
+  command does; `queued-resources ssh --node=all --worker=all` runs it in batches of --batch-size hosts (default
+  64, or FAKE_CLOUD_SSH_BATCH), each batch waited for before the next and a failed batch ending it, as gcloud's
+  tpu_vm/ssh.py does. `preempt` and `delete` kill everything on the VMs (also what was detached from the ssh).
+- GKE pods (`xpk workload create`, `kubectl apply` of a JobSet): TPU_WORKER_ID and TPU_WORKER_HOSTNAMES, and for
+  several slices MEGASCALE_*, as GKE sets them, and the node's metadata server (an empty tpu-env): what JAX's
+  GkeTpuCluster reads.
+- Slurm tasks (`sbatch`, then the script's `srun`): SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID,
+  SLURM_LOCALID, one task per node: what JAX's SlurmCluster reads; a node's GPUs are CPU devices that JAX's
+  device restriction (jax_cuda_visible_devices) reaches as it would reach GPUs (tests/fake_hosts/sitecustomize.py).
+
+Where a real pod has one address per host and these share 127.0.0.1, a job's coordinator port is its own:
+JAX_COORDINATOR_PORT (JAX's own override) on TPU hosts, a Slurm job id whose port (JAX: 61440 + id % 4096) is free.
+JAX_FORCE_TPU_INIT makes JAX take a TPU host without chips for a Cloud TPU VM. The VM image's `python3 -m venv`
+makes an environment whose python is this interpreter (the image has the packages; its pip records and does
+nothing). `fail_next(n)` makes the next n `describe` / `kubectl get` calls fail as a transient API error does.
 
     cloud = FakeCloud(tmp_path); env = cloud.env()   # PATH and FAKE_CLOUD_DIR for the launcher's subprocess
 """
@@ -14,6 +27,7 @@ does nothing). `preempt` kills a slice's processes and marks it SUSPENDED, as a 
 from __future__ import annotations
 
 import fcntl
+import http.server
 import json
 import os
 import re
@@ -21,18 +35,22 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 HOSTS = {"v4-16": 2, "v4-8": 1, "v5litepod-16": 4, "v5litepod-8": 1}  # accelerator type -> hosts (its own table)
 CHIPS_PER_HOST = {"v4-16": 4, "v4-8": 4, "v5litepod-16": 4, "v5litepod-8": 8}
 TOOLS = ("gcloud", "xpk", "kubectl", "sbatch", "squeue", "sacct", "scancel", "srun", "scontrol")
+SITE = Path(__file__).resolve().parent / "fake_hosts"  # the hosts' sitecustomize
+SLURM_PORTS = 61440  # JAX's Slurm coordinator port: 61440 + SLURM_JOB_ID % 4096 (jax/_src/clusters/slurm_cluster.py)
 
 
 class FakeCloud:
-    def __init__(self, root: Path, devices_per_host: int | None = None):
+    def __init__(self, root: Path, devices_per_host: int | None = None, ssh_batch: int = 64):
         self.root = Path(root)
         self.devices_per_host = devices_per_host  # CPU devices per host (default: one per chip)
+        self.ssh_batch = ssh_batch  # gcloud's default --batch-size
         self.bin = self.root / "bin"
         self.bin.mkdir(parents=True, exist_ok=True)
         for tool in TOOLS:
@@ -44,29 +62,36 @@ class FakeCloud:
     def env(self, base: dict | None = None) -> dict:
         base = dict(os.environ if base is None else base)
         devices = {"FAKE_CLOUD_DEVICES": str(self.devices_per_host)} if self.devices_per_host else {}
-        return {**base, "PATH": f"{self.bin}:{base['PATH']}", "FAKE_CLOUD_DIR": str(self.root), **devices}
+        return {**base, "PATH": f"{self.bin}:{base['PATH']}", "FAKE_CLOUD_DIR": str(self.root),
+                "FAKE_CLOUD_SSH_BATCH": str(self.ssh_batch), **devices}
 
     def calls(self) -> list[list[str]]:
         return [json.loads(line)["argv"] for line in _lines(self.root / "calls.jsonl")]
 
     def worker_runs(self) -> list[dict]:
-        """Every command a host ran: {node, worker, command, slice (its creation number)}."""
+        """Every command a host ran: {node, worker, command, slice (its creation), started, ended}."""
         return [json.loads(line) for line in _lines(self.root / "workers.jsonl")]
 
     def state(self) -> dict:
         return _load(self.root)
 
+    def fail_next(self, n: int) -> None:
+        """The next n state reads (`queued-resources describe`, `kubectl get jobset`) fail as an API error does."""
+        (self.root / "flaky").write_text(str(n))
+
     def preempt(self, name: str) -> None:
         with _locked(self.root) as state:
-            qr = state[name]
-            qr["state"] = "SUSPENDED"
-            for pid in qr["pids"]:
-                _kill_group(pid)
-
+            state[name]["state"] = "SUSPENDED"
+        _kill_vms(self.root, name)
 
     def kill_worker(self, name: str, worker: int) -> None:
-        """Kills one host's latest command (kill -9), the slice staying ACTIVE: a crashed process."""
-        _kill_group(self.state()[name]["latest"][str(worker)])
+        """Kills worker `worker`'s train.py (kill -9), the slice staying ACTIVE: a crashed process."""
+        qr = self.state()[name]
+        _kill_matching(f"FAKE_CLOUD_VM={name}-{qr['created']}/0/{worker}", "train.py")
+
+    def close(self) -> None:
+        """Kills every process of this cloud (its hosts, detached or not, and their metadata servers)."""
+        _kill_matching(f"FAKE_CLOUD_ROOT={self.root}")
 
 
 def _script(path: Path, body: str) -> None:
@@ -86,9 +111,8 @@ def _load(root: Path) -> dict:
 class _locked:
     """The cloud's state, read and written under a file lock (ssh sessions and the test change it at once)."""
 
-    def __init__(self, root: Path, devices_per_host: int | None = None):
+    def __init__(self, root: Path):
         self.root = Path(root)
-        self.devices_per_host = devices_per_host  # CPU devices per host (default: one per chip)
 
     def __enter__(self) -> dict:
         self.lock = open(self.root / "state.lock", "w")
@@ -101,11 +125,26 @@ class _locked:
         self.lock.close()
 
 
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def _kill_matching(marker: str, in_command: str = "") -> None:
+    """SIGKILL to every process whose environment holds `marker` (and whose command line `in_command`)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            found = marker.encode() in (proc / "environ").read_bytes().split(b"\0")
+            if found and in_command.encode() in (proc / "cmdline").read_bytes():
+                os.kill(int(proc.name), signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _kill_vms(root: Path, name: str) -> None:
+    qr = _load(root).get(name)
+    if qr is not None:
+        for s in range(qr["slices"]):
+            for w in range(qr["hosts"]):
+                _kill_matching(f"FAKE_CLOUD_VM={name}-{qr['created']}/{s}/{w}")
+        _kill_matching(f"FAKE_CLOUD_METADATA={name}-{qr['created']}")
 
 
 def _flag(argv: list[str], name: str, default: str | None = None) -> str | None:
@@ -117,21 +156,56 @@ def _flag(argv: list[str], name: str, default: str | None = None) -> str | None:
     return default
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port(low: int = 0) -> int:
+    for port in ([0] if low == 0 else range(low, 65536)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port")
 
 
-# ---- gcloud ------------------------------------------------------------------------------------------
+def _transient_failure(root: Path, what: str) -> bool:
+    """fail_next: an API error (a refused token refresh, a timeout) instead of an answer."""
+    path = root / "flaky"
+    with _locked(root):
+        n = int(path.read_text()) if path.exists() else 0
+        if n > 0:
+            path.write_text(str(n - 1))
+    if n > 0:
+        print(f"ERROR: ({what}) There was a problem refreshing your current auth tokens: UNAVAILABLE: connection"
+              " reset", file=sys.stderr)
+    return n > 0
+
+
+def _host_env(root: Path, home: Path, chips: int, **extra: str) -> dict:
+    """A host's environment: none of this machine's JAX, TPU, Slurm or Python path settings."""
+    mine = ("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "TPU_", "MEGASCALE_",
+            "SLURM_", "FAKE_")  # (the JAX compilation cache stays shared, as the tests' other processes share it)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(mine) and k != "PYTHONPATH"}
+    env.update(HOME=str(home), PATH=f"{root / 'image'}:{root / 'bin'}:{env['PATH']}", JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={os.environ.get('FAKE_CLOUD_DEVICES', chips)}",
+               FAKE_CLOUD_ROOT=str(root), **extra)
+    return env
+
+
+def _record(root: Path, **run) -> None:
+    with open(root / "workers.jsonl", "a") as f:
+        f.write(json.dumps(run) + "\n")
+
+
+# ---- gcloud: queued resources, TPU VMs --------------------------------------------------------------
 
 
 def gcloud(root: Path, argv: list[str]) -> int:
     words = [a for a in argv if not a.startswith("-")]
     if words[:3] == ["compute", "tpus", "queued-resources"]:
-        return {"create": _create, "describe": _describe, "delete": _delete}[words[3]](root, words[4], argv)
+        verbs = {"create": _create, "describe": _describe, "delete": _delete, "ssh": _qr_ssh}
+        return verbs[words[3]](root, words[4], argv)
     if words[:4] == ["compute", "tpus", "tpu-vm", "ssh"]:
-        return _ssh(root, words[4], argv)
+        return _tpu_vm_ssh(root, words[4], argv)
     if words[:3] == ["container", "clusters", "get-credentials"]:
         return 0
     print(f"fake gcloud: unsupported: {argv}", file=sys.stderr)
@@ -139,68 +213,126 @@ def gcloud(root: Path, argv: list[str]) -> int:
 
 
 def _create(root: Path, name: str, argv: list[str]) -> int:
-    kind = _flag(argv, "accelerator-type")
+    kind, slices = _flag(argv, "accelerator-type"), int(_flag(argv, "node-count", "1"))
     with _locked(root) as state:
         if name in state:
             print(f"ERROR: (gcloud) queued resource {name} already exists", file=sys.stderr)
             return 1
         created = state["_created"] = state.get("_created", 0) + 1  # each creation: fresh hosts
-        state[name] = {"state": "ACTIVE", "hosts": HOSTS[kind], "chips": CHIPS_PER_HOST[kind], "pids": [],
-                       "port": _free_port(), "created": created}
+        qr = state[name] = {"state": "ACTIVE", "slices": slices, "hosts": HOSTS[kind], "chips": CHIPS_PER_HOST[kind],
+                            "port": _free_port(), "created": created}
+        qr["metadata"] = [[_free_port() for _ in range(qr["hosts"])] for _ in range(slices)]
+    env = {**os.environ, "FAKE_CLOUD_ROOT": str(root), "FAKE_CLOUD_METADATA": f"{name}-{created}"}
+    subprocess.Popen([sys.executable, __file__, "_metadata", json.dumps(qr)], env=env, start_new_session=True,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return 0
 
 
 def _describe(root: Path, name: str, argv: list[str]) -> int:
+    if _transient_failure(root, "gcloud.compute.tpus.queued-resources.describe"):
+        return 1
     qr = _load(root).get(name)
     if qr is None:
-        print(f"ERROR: (gcloud) NOT_FOUND: {name}", file=sys.stderr)
+        print(f"ERROR: (gcloud.compute.tpus.queued-resources.describe) NOT_FOUND: Resource"
+              f" 'projects/p/locations/z/queuedResources/{name}' was not found", file=sys.stderr)
         return 1
     print(qr["state"])
     return 0
 
 
 def _delete(root: Path, name: str, argv: list[str]) -> int:
+    _kill_vms(root, name)
     with _locked(root) as state:
         qr = state.pop(name, None)
     if qr is None:
         print(f"ERROR: (gcloud) NOT_FOUND: {name}", file=sys.stderr)
         return 1
-    for pid in qr["pids"]:
-        _kill_group(pid)
     return 0
 
 
-def _ssh(root: Path, node: str, argv: list[str]) -> int:
+def _tpu_vm_ssh(root: Path, node: str, argv: list[str]) -> int:
+    """gcloud's GA `tpu-vm ssh`: every chosen worker of the node at once (no batches)."""
     qr = _load(root).get(node)
-    if qr is None or qr["state"] != "ACTIVE":
-        print(f"ERROR: (gcloud) {node} is not ACTIVE", file=sys.stderr)
+    if qr is None or qr["state"] != "ACTIVE" or qr["slices"] != 1:
+        print(f"ERROR: (gcloud) {node} is not an ACTIVE TPU node", file=sys.stderr)
         return 1
-    command, worker = _flag(argv, "command"), _flag(argv, "worker", "0")
-    workers = range(qr["hosts"]) if worker == "all" else [int(worker)]
+    worker = _flag(argv, "worker", "0")
+    workers = [(0, w) for w in (range(qr["hosts"]) if worker == "all" else [int(worker)])]
+    return _run_batch(root, node, qr, workers, _flag(argv, "command"))
+
+
+def _qr_ssh(root: Path, name: str, argv: list[str]) -> int:
+    """`queued-resources ssh`: the chosen workers of the chosen nodes in batches of --batch-size, each batch
+    waited for before the next; a batch with a failure ends it (tpu_vm/ssh.py WaitForBatchCompletion)."""
+    qr = _load(root).get(name)
+    if qr is None or qr["state"] != "ACTIVE":
+        print(f"ERROR: (gcloud) {name} is not ACTIVE", file=sys.stderr)
+        return 1
+    node, worker = _flag(argv, "node", "0"), _flag(argv, "worker", "all")
+    nodes = range(qr["slices"]) if node == "all" else [int(node)]
+    targets = [(s, w) for s in nodes for w in (range(qr["hosts"]) if worker == "all" else [int(worker)])]
+    batch = int(_flag(argv, "batch-size", os.environ.get("FAKE_CLOUD_SSH_BATCH", "64")))
+    for i in range(0, len(targets), batch):
+        code = _run_batch(root, name, qr, targets[i: i + batch], _flag(argv, "command"))
+        if code:
+            return code
+    return 0
+
+
+def _run_batch(root: Path, name: str, qr: dict, targets: list[tuple[int, int]], command: str) -> int:
     procs = []
-    for i in workers:
-        home = root / "vms" / f"{node}-{qr['created']}" / f"worker-{i}"
+    for s, w in targets:
+        home = root / "vms" / f"{name}-{qr['created']}" / f"slice-{s}" / f"worker-{w}"
         home.mkdir(parents=True, exist_ok=True)
-        env = _host_env(root, home, qr["chips"])
-        env.update(TPU_WORKER_ID=str(i), TPU_WORKER_HOSTNAMES=",".join(["127.0.0.1"] * qr["hosts"]),
-                   JAX_COORDINATOR_PORT=str(qr["port"]))
-        with open(root / "workers.jsonl", "a") as f:
-            f.write(json.dumps({"node": node, "worker": i, "command": command, "slice": qr["created"]}) + "\n")
-        procs.append(subprocess.Popen(["bash", "-c", command], cwd=home, env=env, start_new_session=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    with _locked(root) as state:
-        if node in state:
-            state[node]["pids"] += [p.pid for p in procs]
-            state[node]["latest"] = {str(i): p.pid for i, p in zip(workers, procs)}  # this ssh's, by worker
-    codes = [_relay(p, i) for p, i in zip(procs, workers)]
+        env = _host_env(root, home, qr["chips"], HOSTNAME=f"{name}-{s}-w-{w}", JAX_FORCE_TPU_INIT="1",
+                        FAKE_TPU_VM="1", PYTHONPATH=str(SITE), JAX_COORDINATOR_PORT=str(qr["port"]),
+                        GCE_METADATA_IP=f"127.0.0.1:{qr['metadata'][s][w]}",
+                        FAKE_CLOUD_VM=f"{name}-{qr['created']}/{s}/{w}")
+        procs.append(subprocess.Popen(["bash", "-c", command], cwd=home, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    codes = [_relay(p, f"{s}/{w}") for p, (s, w) in zip(procs, targets)]
+    for (s, w), code in zip(targets, codes):
+        _record(root, node=name, worker=w + s * qr["hosts"], command=command, slice=qr["created"], status=code)
     return next((255 if c < 0 else c for c in codes if c != 0), 0)  # ssh: 255 when the connection is lost
 
 
-def _relay(p: subprocess.Popen, worker: int) -> int:
+def _relay(p: subprocess.Popen, worker: str) -> int:
     for line in p.stdout:
-        sys.stdout.write(f"[w{worker}] {line}")
+        sys.stdout.write(f"[{worker}] {line}")
         sys.stdout.flush()
     return p.wait()
+
+
+def metadata_server(qr: dict) -> None:
+    """Each TPU VM's metadata server (computeMetadata/v1/instance/attributes/KEY), as its answers reach JAX."""
+    hosts, slices = qr["hosts"], qr["slices"]
+    for s in range(slices):
+        for w in range(hosts):
+            tpu_env = "".join(f"{k}: '{v}'\n" for k, v in (("MEGASCALE_COORDINATOR_ADDRESS", "127.0.0.1"),
+                                                           ("MEGASCALE_NUM_SLICES", slices), ("MEGASCALE_SLICE_ID", s)))
+            serve_metadata(qr["metadata"][s][w], {"agent-worker-number": str(w), "tpu-env": tpu_env if slices > 1
+                                                  else "", "worker-network-endpoints": ",".join(["127.0.0.1"] * hosts)})
+    threading.Event().wait()
+
+
+def serve_metadata(port: int, answers: dict[str, str]) -> None:
+    """A metadata server on 127.0.0.1:`port` answering `answers`, in a thread (GCE_METADATA_IP points JAX at it)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            key = self.path.rsplit("/", 1)[-1]
+            found = self.headers.get("Metadata-Flavor") == "Google" and key in answers
+            body = answers[key].encode() if found else b"not found"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
 
 
 # ---- the VM image's python3 ------------------------------------------------------------------------
@@ -224,106 +356,115 @@ def _jobs(root: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _set_job(root: Path, name: str, value: str) -> None:
+def _set_job(root: Path, key: str, value: str) -> None:
     with _locked(root):  # the same lock as the slices'
         jobs = _jobs(root)
-        jobs[name] = value
+        jobs[key] = value
         (root / "jobs.json").write_text(json.dumps(jobs))
 
 
-def _submit(root: Path, name: str, hosts: int, chips: int, command: str, kind: str) -> None:
-    """Runs `command` on `hosts` local hosts in a detached process that records the job's end state."""
-    _set_job(root, name, "RUNNING" if kind == "slurm" else "")
-    spec = json.dumps({"name": name, "hosts": hosts, "chips": chips, "command": command, "kind": kind})
-    subprocess.Popen([sys.executable, __file__, "_job", spec], env={**os.environ, "FAKE_CLOUD_DIR": str(root)},
-                     start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _submit(root: Path, spec: dict) -> None:
+    """Runs a job's hosts in a detached process that records the job's end state."""
+    _set_job(root, spec["key"], "RUNNING" if spec["kind"] == "slurm" else "")
+    env = {**os.environ, "FAKE_CLOUD_DIR": str(root), "FAKE_CLOUD_ROOT": str(root)}
+    subprocess.Popen([sys.executable, __file__, "_job", json.dumps(spec)], env=env, start_new_session=True,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _job(root: Path, spec: dict) -> int:
-    """A job's hosts (GKE pods with TPU_WORKER_ID / TPU_WORKER_HOSTNAMES; Slurm's batch script, whose srun
-    starts one task per node with SLURM_PROCID / SLURM_NTASKS), then its end state."""
-    n, port = spec["hosts"], _free_port()
-    slurm = spec["kind"] == "slurm"
-    workers = [0] if slurm else list(range(n))  # slurm: the batch script on the first node; srun does the rest
-    procs = []
-    for i in workers:
-        home = root / "pods" / f"{spec['name']}-{time.time_ns()}" / f"host-{i}"
+    """GKE: a pod per host of every slice, with what GKE gives a TPU pod. Slurm: the batch script on the first
+    node, whose srun starts the tasks."""
+    slurm, hosts, slices = spec["kind"] == "slurm", spec["hosts"], spec.get("slices", 1)
+    port = spec.get("port") or _free_port()
+    procs, run = [], root / "pods" / f"{spec['key']}-{time.time_ns()}"
+    for i in [0] if slurm else range(hosts * slices):
+        home = run / f"host-{i}"
         home.mkdir(parents=True)
-        env = _host_env(root, home, spec["chips"])
         if slurm:
-            env.update(SLURM_JOB_ID=str(port - 10000), SLURM_JOB_NODELIST=f"node[1-{n}]", SLURM_NNODES=str(n),
-                       SLURM_SUBMIT_DIR=str(home))
-        else:
-            env.update(TPU_WORKER_ID=str(i), TPU_WORKER_HOSTNAMES=",".join(["127.0.0.1"] * n),
-                       JAX_COORDINATOR_PORT=str(port))
-            with open(root / "workers.jsonl", "a") as f:  # (slurm's tasks are recorded by srun)
-                f.write(json.dumps({"node": spec["name"], "worker": i, "command": spec["command"], "slice": port})
-                        + "\n")
+            env = _host_env(root, home, spec["chips"], SLURM_JOB_ID=spec["key"], SLURM_NNODES=str(hosts),
+                            SLURM_JOB_NODELIST=",".join(["localhost"] * hosts), SLURM_SUBMIT_DIR=str(home))
+        else:  # a TPU pod with the node's network: its metadata server too (JAX reads tpu-env there)
+            multislice = {"MEGASCALE_COORDINATOR_ADDRESS": "127.0.0.1", "MEGASCALE_NUM_SLICES": str(slices),
+                          "MEGASCALE_SLICE_ID": str(i // hosts)} if slices > 1 else {}
+            metadata = _free_port()
+            serve_metadata(metadata, {"tpu-env": ""})
+            env = _host_env(root, home, spec["chips"], TPU_WORKER_ID=str(i % hosts), JAX_FORCE_TPU_INIT="1",
+                            TPU_WORKER_HOSTNAMES=",".join(["127.0.0.1"] * hosts), JAX_COORDINATOR_PORT=str(port),
+                            GCE_METADATA_IP=f"127.0.0.1:{metadata}", **multislice)
+            _record(root, node=spec["key"], worker=i, command=spec["command"], slice=port)
         with open(home / "out.log", "w") as log:
             procs.append(subprocess.Popen(["bash", "-c", spec["command"]], cwd=home, env=env, stdout=log,
                                           stderr=subprocess.STDOUT))
     ok = all(p.wait() == 0 for p in procs)
-    _set_job(root, spec["name"], ("COMPLETED" if ok else "FAILED") if slurm else ("Completed" if ok else "Failed"))
+    _set_job(root, spec["key"], ("COMPLETED" if ok else "FAILED") if slurm else ("Completed" if ok else "Failed"))
     return 0
 
 
-def _host_env(root: Path, home: Path, chips: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FAKE_CLOUD_DIR")}
-    env.update(HOME=str(home), PATH=f"{root / 'image'}:{root / 'bin'}:{env['PATH']}", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={os.environ.get('FAKE_CLOUD_DEVICES', chips)}",
-               FAKE_CLOUD_ROOT=str(root))
-    return env
-
-
 def srun(root: Path, argv: list[str]) -> int:
-    """One task per node of the job, each with its SLURM_PROCID, sharing the batch script's directory."""
+    """One task per node of the job, as Slurm sets a task's variables, sharing the batch script's directory."""
     n = int(os.environ["SLURM_NNODES"])
     command = argv[argv.index("-c") + 1]
     procs = []
     for i in range(n):
-        env = {**os.environ, "SLURM_PROCID": str(i), "SLURM_NTASKS": str(n), "SLURM_NODEID": str(i)}
-        with open(root / "workers.jsonl", "a") as f:
-            f.write(json.dumps({"node": "srun", "worker": i, "command": command,
-                                "slice": os.environ["SLURM_JOB_ID"]}) + "\n")
+        env = {**os.environ, "SLURM_PROCID": str(i), "SLURM_NTASKS": str(n), "SLURM_LOCALID": "0",
+               "SLURM_NODEID": str(i), "SLURM_STEP_NODELIST": os.environ["SLURM_JOB_NODELIST"],
+               "SLURM_STEP_NUM_NODES": str(n), "SLURM_STEP_NUM_TASKS": str(n), "FAKE_GPU_NODE": "1",
+               "PYTHONPATH": str(SITE)}
+        _record(root, node="srun", worker=i, command=command, slice=os.environ["SLURM_JOB_ID"])
         procs.append(subprocess.Popen(["bash", "-c", command], env=env))
     return max(p.wait() for p in procs)
 
 
-def gke_and_slurm(root: Path, tool: str, argv: list[str]) -> int:
+def gke(root: Path, tool: str, argv: list[str]) -> int:
     jobs = _jobs(root)
     if tool == "kubectl" and argv[:2] == ["get", "jobset"]:
+        if _transient_failure(root, "kubectl"):
+            return 1
         if argv[2] not in jobs:
-            print(f'Error from server (NotFound): jobsets "{argv[2]}" not found', file=sys.stderr)
+            print(f'Error from server (NotFound): jobsets.jobset.x-k8s.io "{argv[2]}" not found', file=sys.stderr)
             return 1
         print(jobs[argv[2]], end="")
     elif tool == "kubectl" and argv[:1] == ["apply"]:
         import yaml
 
         js = yaml.safe_load(Path(argv[-1]).read_text())
-        job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
-        container = job["template"]["spec"]["containers"][0]
-        _submit(root, js["metadata"]["name"], job["parallelism"], container["resources"]["limits"]["google.com/tpu"],
-                container["command"][-1], "gke")
+        rjob = js["spec"]["replicatedJobs"][0]
+        pod = rjob["template"]["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert pod.get("hostNetwork") is True  # a TPU pod: JAX's coordinator and the TPU runtime on the node
+        _submit(root, {"key": js["metadata"]["name"], "kind": "gke", "hosts": rjob["template"]["spec"]["parallelism"],
+                       "slices": rjob["replicas"], "chips": container["resources"]["limits"]["google.com/tpu"],
+                       "command": container["command"][-1]})
     elif tool == "xpk" and argv[:2] == ["workload", "create"]:
         kind = _flag(argv, "tpu-type")
-        _submit(root, _flag(argv, "workload"), HOSTS[kind], CHIPS_PER_HOST[kind], _flag(argv, "command"), "gke")
-    elif tool == "sbatch":
+        _submit(root, {"key": _flag(argv, "workload"), "kind": "gke", "hosts": HOSTS[kind],
+                       "slices": int(_flag(argv, "num-slices", "1")), "chips": CHIPS_PER_HOST[kind],
+                       "command": _flag(argv, "command")})
+    else:  # xpk workload delete, kubectl delete jobset: forget the job
+        jobs.pop(_flag(argv, "workload") or argv[2], None)
+        (root / "jobs.json").write_text(json.dumps(jobs))
+    return 0
+
+
+def slurm(root: Path, tool: str, argv: list[str]) -> int:
+    jobs = _jobs(root)
+    if tool == "sbatch":
         script = Path(argv[-1]).read_text()
-        name = re.search(r"--job-name=(\S+)", script).group(1)
+        port = _free_port(SLURM_PORTS)  # the job's id gives JAX's port: a free one
+        job_id = str(port - SLURM_PORTS + 4096 * (1 + len(jobs)))
         nodes = int(re.search(r"--nodes=(\d+)", script).group(1))
         gpus = int(re.search(r"--gpus-per-node=(\d+)", script).group(1))
-        _submit(root, name, nodes, gpus, script, "slurm")
-        print(len(jobs) + 1)
-    elif tool == "squeue":
-        state = jobs.get(argv[argv.index("-n") + 1], "")
-        print(state if state in ("RUNNING", "PENDING") else "", end="")
-    elif tool == "sacct":
-        print(jobs.get(_flag(argv, "name"), ""))
+        _submit(root, {"key": job_id, "kind": "slurm", "hosts": nodes, "chips": gpus, "command": script,
+                       "port": port})
+        print(f"{job_id};fake-cluster")  # --parsable: ID[;cluster]
+    elif tool in ("squeue", "sacct"):
+        state = jobs.get(argv[argv.index("-j") + 1], "")
+        print(state if tool == "sacct" or state in ("RUNNING", "PENDING") else "")
     elif tool == "scontrol":  # show hostnames NODELIST: every node is this machine
-        print("\n".join(["127.0.0.1"] * int(os.environ.get("SLURM_NNODES", "1"))))
-    elif tool in ("xpk", "kubectl", "scancel"):  # delete: forget the job
-        jobs.pop(_flag(argv, "workload") or _flag(argv, "name") or argv[2], None)
-        (root / "jobs.json").write_text(json.dumps(jobs))
+        print("\n".join(["localhost"] * int(os.environ.get("SLURM_NNODES", "1"))))
+    elif tool == "scancel":
+        _set_job(root, argv[0], "CANCELLED")
+        _kill_matching(f"SLURM_JOB_ID={argv[0]}")
     return 0
 
 
@@ -334,11 +475,15 @@ def main() -> int:
         return python3(root, argv)
     if tool == "_job":
         return _job(root, json.loads(argv[0]))
+    if tool == "_metadata":
+        metadata_server(json.loads(argv[0]))
     with open(root / "calls.jsonl", "a") as f:
         f.write(json.dumps({"argv": [tool, *argv], "time": time.time()}) + "\n")
+    if tool == "gcloud":
+        return gcloud(root, argv)
     if tool == "srun":
         return srun(root, argv)
-    return gcloud(root, argv) if tool == "gcloud" else gke_and_slurm(root, tool, argv)
+    return gke(root, tool, argv) if tool in ("xpk", "kubectl") else slurm(root, tool, argv)
 
 
 if __name__ == "__main__":

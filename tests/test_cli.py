@@ -49,7 +49,8 @@ def test_cli_run_leaves_metrics_checkpoints_plot_config_and_sample(k4_run):
     records = read_jsonl(run_dir / "metrics.jsonl")
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))
-    assert set(steps[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "peak_flops"}
+    assert set(steps[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "peak_flops",
+                             "skipped"}
     assert len({r["peak_flops"] for r in steps}) == 1  # one peak for the whole run: MFUs compare
     # the first call (4 steps) compiled and first loaded the program: its speed is unknown, not a wrong number
     assert [r["mfu"] is None for r in steps] == [True] * 4 + [False] * 8
@@ -134,8 +135,8 @@ def test_a_finished_run_rerun_changes_nothing_and_extending_it_is_recorded(k4_ru
            "--checkpoint.keep=5", "--train.eval_every=4", *FSDP_TP[:1], "--log.wandb=offline"]
     code, out, err = run_main(train_app.main, *run, "--train.steps=12")
     assert code == 0, err
-    assert out.strip() == f"{run_dir}: already finished at step 12; train.steps=12 (raise train.steps to continue" \
-                          " it; see docs/training.md)"
+    assert out.strip() == f"{run_dir}: already finished at step 12; train.steps=12. To continue it:" \
+                          " --train.steps=MORE (docs/training.md)"
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()} == before  # no config, no wandb run
     config = (run_dir / "config.json").read_text()
     code, out, err = run_main(train_app.main, *run, "--train.steps=14")  # same schedule: decay_steps is fixed
@@ -144,6 +145,22 @@ def test_a_finished_run_rerun_changes_nothing_and_extending_it_is_recorded(k4_ru
     assert (run_dir / "config.json").read_text() == config  # the first start's config is never overwritten
     (change,) = read_jsonl(run_dir / "config_changes.jsonl")
     assert change["step"] == 12 and change["changes"]["train.steps"] == [12, 14]
+
+
+@pytest.mark.slow
+def test_the_hint_to_extend_a_finished_run_works_as_printed(shakespeare, tmp_path):
+    """With optim.decay_steps unset the cosine ends at train.steps: the hint fixes it there, and the extension
+    trains on at the final learning rate."""
+    run = ["--run_dir", str(tmp_path), f"--data.cache_dir={shakespeare}",
+           *[a for a in SMALL if not a.startswith("--optim.decay_steps")], "--train.eval_every=0"]
+    assert run_main(train_app.main, *run, "--train.steps=4")[0] == 0
+    code, out, err = run_main(train_app.main, *run, "--train.steps=4")
+    hint = out.strip().split("To continue it: ", 1)[1].split(" (")[0]
+    assert code == 0 and hint == "--train.steps=MORE --optim.decay_steps=4", out
+    code, out, err = run_main(train_app.main, *run, *hint.replace("MORE", "6").split())
+    assert code == 0, err[-2000:]
+    rates = [r["lr"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert len(rates) == 6 and rates[4] == rates[5] == pytest.approx(2e-3 * 0.1)  # shakespeare_cpu: lr · min_lr_ratio
 
 
 @pytest.mark.slow
@@ -215,7 +232,7 @@ def test_cli_eval_on_other_device_counts_matches(request, source, devices):
 @pytest.mark.slow
 def test_cli_eval_all_checkpoints_compiles_once_and_samples(k4_run, tmp_path, monkeypatch):
     """In-process, to see the executable: `--all` reuses one compiled loss call for every checkpoint."""
-    from trainer.program import eval_call as evaluation
+    from trainer.program import evaluator as evaluation
 
     built = []
     build = evaluation.Evaluator.build
@@ -256,6 +273,7 @@ def train_error(tmp_path, shakespeare, *args):
     assert code == 2, stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert len(stderr.strip().splitlines()) == 1, stderr[-2000:]
+    assert stderr.lower().count("error") == 1, stderr  # one `error:` prefix, no library's wrapper around it
     return last_line(stderr)
 
 
@@ -267,11 +285,16 @@ def train_error(tmp_path, shakespeare, *args):
         (["--model.dtype=float8"], "float8"),
         (["--model.n_head=3"], "model.n_head=3 must divide model.n_embd=32"),
         (["--train.steps=0"], "train.steps must be an integer >= 1, got 0"),
-        (["--train.seq_len=128"], "train.seq_len=128 exceeds model.block_size=64"),
+        (["--train.seq_len=128"], "error: train.seq_len=128 exceeds model.block_size=64: lower --train.seq_len, or"
+                                  " raise --model.block_size (a fresh run only)"),
         (["--mesh.data=3"], "mesh data×fsdp×tensor = 3×1×1 = 3 but there are 8 devices"),
         (["--mesh.rules=zero3"], "--mesh.rules must be one of dp, fsdp, tp, fsdp_tp, got 'zero3'"),
         (["--train.batch_size=6"], "not divisible by the data-parallel size mesh.data×mesh.fsdp = 8"),
-        (["--data.dataset=/nonexistent"], "/nonexistent: dataset directory does not exist"),
+        (["--data.dataset=/nonexistent"], "/nonexistent: no such corpus directory; prepare one there: python -m"
+                                          " data.prepare --source YOUR_FILES --out_dir /nonexistent (docs/data.md)"),
+        ([f"--data.dataset={ROOT}/data/assets/shakespeare.jsonl.xz"],
+         f"{ROOT}/data/assets/shakespeare.jsonl.xz is a file, not a prepared corpus directory; tokenize it first:"
+         f" python -m data.prepare --source {ROOT}/data/assets/shakespeare.jsonl.xz --out_dir DIR, then pass DIR"),
         (["--optim.grad_clip=nan"], "optim.grad_clip must be a finite number >= 0, got nan"),
         (["--optim.lr=inf"], "optim.lr must be a finite number > 0, got inf"),
         (["--optim.lr=nan"], "optim.lr must be a finite number > 0, got nan"),

@@ -8,7 +8,8 @@ import pytest
 import configs
 from configs.base import Config
 from errors import ConfigError
-from gpt2 import GPT2Config, ShardingRules, make_mesh
+from gpt2 import GPT2Config, ShardingRules
+from trainer.program.mesh import make_mesh
 from gpt2.sharded_init import abstract_model
 
 
@@ -134,16 +135,17 @@ def test_every_numeric_field_rejects_nan_inf_and_out_of_range_values(section, na
 def test_multi_host_start_up_uses_jaxs_cluster_detection(monkeypatch):
     """No flags and no JAX_* variables: a SLURM (or TPU, Open MPI, Kubernetes) job is found by JAX's own
     detection; a plain machine is one process."""
-    from trainer.processes import _cluster_detected
+    from configs.base import DistributedConfig
+    from trainer.processes import job_settings
 
-    for variable in ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST"):
+    for variable in ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST", "JAX_COORDINATOR_ADDRESS"):
         monkeypatch.delenv(variable, raising=False)
-    assert not _cluster_detected()
-    slurm = {"SLURM_JOB_ID": "42", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",
+    assert job_settings(DistributedConfig()) == (None, None, None)
+    slurm = {"SLURM_JOB_ID": "42", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
              "SLURM_LOCALID": "0"}  # what srun sets for each task
     for name, value in slurm.items():
         monkeypatch.setenv(name, value)
-    assert _cluster_detected()
+    assert job_settings(DistributedConfig()) == ("node1:61482", 2, 1)  # JAX's port: 61440 + 42 % 4096
 
 
 def test_an_error_reason_keeps_the_cause_and_drops_tensorstores_spec():

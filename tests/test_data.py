@@ -162,8 +162,14 @@ def _corpus_copy(shakespeare, tmp_path):
 
 
 def test_open_corpus_errors_name_the_path(shakespeare, tmp_path):
-    with pytest.raises(DataError, match="dataset directory does not exist"):
+    with pytest.raises(DataError, match="none: no such corpus directory; prepare one there: python -m data.prepare"):
         open_corpus(tmp_path / "none", vocab_size=50257, min_tokens=33)
+    (tmp_path / "text.jsonl").write_text("{}\n")
+    with pytest.raises(DataError, match="text.jsonl is a file, not a prepared corpus directory; tokenize it first"):
+        open_corpus(tmp_path / "text.jsonl", vocab_size=50257, min_tokens=33)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="meta.json: missing, so .*empty is not a prepared corpus; prepare one there"):
+        open_corpus(tmp_path / "empty", vocab_size=50257, min_tokens=33)
     d = _corpus_copy(shakespeare, tmp_path)
     with pytest.raises(DataError, match="fewer than one window"):
         open_corpus(d, vocab_size=50257, min_tokens=10**9)

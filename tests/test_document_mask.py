@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 from data.tokenizer import EOT as TOKENIZER_EOT
-from gpt2 import GPT2, GPT2Config, create_sharded_model, make_mesh
+from gpt2 import GPT2, GPT2Config, create_sharded_model
+from trainer.program.mesh import make_mesh
 from gpt2.config import GPT2_VOCAB_SIZE, ConfigError
 from gpt2.generate import generate
 from gpt2.model import EOT, documents

@@ -57,6 +57,21 @@ def test_a_rollback_loses_the_abandoned_steps_and_skipped_steps_are_not_goodput(
     assert r.goodput == pytest.approx(14.0 / 25.0)
 
 
+def test_the_gap_before_extending_a_finished_run_is_idle_not_lost():
+    """A run that finished, extended a day later: the day is neither the run's wall time nor a restart gap."""
+    records = [
+        start(1, 0.0), call(1, 0, 4, 8.0, 8.0), {"event": "attempt_end", "attempt": 1, "time": 9.0, "how": "finished"},
+        start(2, 86_409.0), {"event": "restored", "attempt": 2, "step": 4}, call(2, 4, 4, 8.0, 86_418.0),
+        {"event": "attempt_end", "attempt": 2, "time": 86_418.0, "how": "finished"},
+    ]
+    r = goodput.report(records)
+    assert r.idle == 86_400.0 and r.seconds["restart_gap"] == 0.0 and r.wall == 18.0
+    assert r.goodput == pytest.approx(16.0 / 18.0)
+    assert "not counted: 24h00m00.0s idle between a finished attempt and its extension" in r.text()
+    crashed = [rec for rec in records if not (rec["event"] == "attempt_end" and rec["attempt"] == 1)]
+    assert goodput.report(crashed).seconds["restart_gap"] == 86_401.0  # after a crash the gap is lost time
+
+
 def test_compilations_are_carved_out_of_the_intervals_they_fall_in():
     records = [
         start(1, 0.0), interval(1, "eval", 10.0, 20.0),

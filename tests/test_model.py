@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gpt2 import GPT2, GPT2Config, create_sharded_model, make_mesh, param_report
+from gpt2 import GPT2, GPT2Config, create_sharded_model, param_report
+from trainer.program.mesh import make_mesh
 from gpt2.generate import generate
 from gpt2.layers import CausalSelfAttention
 from gpt2.sharding import RULES, ShardingRules, logical_axes_of
@@ -224,6 +226,10 @@ def test_hf_import_and_export_match_transformers(tmp_path, shape, scan):
     assert np.abs(logits - expected).max() <= 1e-4
 
     to_hf(ours, tmp_path / "export")
+    mask = os.umask(0)  # the export's files get the user's umask, as any file written by hand would
+    os.umask(mask)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "export").iterdir()} == \
+        {name: oct(0o666 & ~mask) for name in ("config.json", "model.safetensors")}
     reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "export").eval()
     with torch.no_grad():
         again = reloaded(torch.tensor(ids)).logits.numpy()

@@ -383,3 +383,82 @@ def test_a_data_read_that_never_returns_ends_both_processes_with_the_read_on_fil
     assert spread < 8, spread
     stacks = (run_dir / "logs" / "stacks.1.txt").read_text()
     assert "in read_window_from_a_dead_disk" in stacks and "in next_batches" in stacks, stacks
+
+
+# ---- a process missing at the start -------------------------------------------------------------------------
+
+JOIN = """
+import sys, time
+from configs.base import DistributedConfig
+from errors import one_line_errors
+from trainer.processes import initialize_distributed
+
+@one_line_errors
+def main():
+    print(time.time(), flush=True)  # joining from now
+    initialize_distributed(DistributedConfig(initialization_timeout=int(sys.argv[1])))
+    return 0
+
+sys.exit(main())
+"""
+
+
+def test_a_process_that_never_starts_is_named_by_every_process_that_did(tmp_path):
+    """Process 2 of 3 never starts: processes 0 and 1 end 8 s (--distributed.initialization_timeout) after process
+    0 began to join, exit 2, in the same one line naming process 2 (before the roll-call: SIGABRT, exit 134, a
+    C++ stack naming nobody). A process whose process 0 never starts says that the coordinator did not answer."""
+    def join(port, pid, n):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+               "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(pid)}
+        return subprocess.Popen([sys.executable, "-c", JOIN, "8"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    port, lonely_port = free_port(), free_port()
+    procs = [join(port, 0, 3), join(port, 1, 3), join(lonely_port, 1, 2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        outs.append((time.time() - float(out.split()[0]), err))
+    assert [p.returncode for p in procs] == [2, 2, 2], outs
+    named = ("error: the job did not form: process 2 of 3 did not check in within 8 s of process 0's start"
+             " (--distributed.initialization_timeout): not started, or unable to reach process 0\n")
+    assert [err for _, err in outs[:2]] == [named, named]
+    assert outs[2][1] == (f"error: the job did not form: process 0 (the coordinator, 127.0.0.1:{lonely_port}) did"
+                          " not answer process 1 within 8 s (--distributed.initialization_timeout): it did not start,"
+                          " or this host cannot reach it\n")
+    assert 8 <= outs[0][0] < 8 + 15 and all(took < 8 + 15 for took, _ in outs), outs  # (15: exits under load)
+
+
+STUCK = """
+import os, sys
+import data.loader, train
+
+read_window = data.loader.TokenWindows.__getitem__
+
+
+def read_window_from_a_dead_disk_on_process_1(self, index):
+    if os.environ["JAX_PROCESS_ID"] == "1":
+        open(os.environ["DEAD_DISK"]).read()  # a FIFO nobody writes: its first read never returns
+    return read_window(self, index)
+
+
+data.loader.TokenWindows.__getitem__ = read_window_from_a_dead_disk_on_process_1
+sys.exit(train.main())
+"""
+
+
+def test_a_process_stuck_before_its_first_call_is_named_by_every_process(shakespeare, tmp_path):
+    """Process 1 never gets its first batch: within --distributed.startup_timeout_seconds of the job forming,
+    both processes end in one line naming process 1 (before: process 0 waited in the first call's collectives,
+    or, on CPU collectives, died after 30 s with a CoordinationServiceError traceback)."""
+    run_dir, program, fifo = tmp_path / "run", tmp_path / "stuck.py", tmp_path / "dead_disk"
+    program.write_text(STUCK)
+    os.mkfifo(fifo)
+    procs = start_processes(run_dir, shakespeare, "--distributed.startup_timeout_seconds=45", program=program,
+                            env={"DEAD_DISK": str(fifo), "PYTHONPATH": str(ROOT)})
+    errs, spread = end_both(procs, timeout=300)
+    assert [p.returncode for p in procs] == [2, 2], errs
+    late = ("start-up: process 1 did not come to its first train call within 45 s of the job forming"
+            " (--distributed.startup_timeout_seconds); the other processes did")
+    assert errs == [f"error: {late}\n", f"error: process 0 failed ({late}); process 1 stops with it\n"], errs
+    assert spread < 8, spread

@@ -20,11 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import configs
 import eval as eval_app
 import train as train_app
 from configs.base import Config, GuardConfig, OptimConfig, TrainConfig
 from conftest import ROOT, SMALL, checkpoint_steps, cli_env, last_line, read_jsonl, run_main
-from gpt2 import GPT2Config, make_mesh
+from gpt2 import GPT2Config
+from trainer.program.mesh import make_mesh
 from trainer.program.train_program import TrainProgram
 from trainer.storage.checkpoints import Checkpoints
 from trainer.telemetry import goodput
@@ -76,7 +78,7 @@ def test_a_skipped_step_is_no_step_for_any_k_on_a_sharded_mesh(monkeypatch):
     for state in (k4, k1):
         diff = jax.tree.leaves(jax.tree.map(lambda x, y: float(jnp.abs(x - y).max()), state["params"],
                                             reference["params"]))
-        assert max(diff) <= 1e-6 and int(state["step"]) == 4 and int(state["guard"]["skipped"]) == 1
+        assert max(diff) <= 1e-6 and int(state["step"]) == 4 and int(state["opt_state"].stats["skipped"]) == 1
 
 
 def test_the_guard_is_bitwise_a_no_op_until_a_lasting_new_level_restarts_it(monkeypatch):
@@ -92,7 +94,7 @@ def test_the_guard_is_bitwise_a_no_op_until_a_lasting_new_level_restarts_it(monk
     np.testing.assert_array_equal(metrics["loss"][:4], plain_metrics["loss"])  # each loss: the params before it
     assert np.array_equal(metrics["grad_norm"][:4], plain_metrics["grad_norm"]) and bool(plain_metrics["state_finite"])
     assert metrics["skipped"].tolist() == [0, 0, 0, 0, 1, 1, 1, 0]
-    assert int(state["guard"]["accepted"]) == 1 and int(state["guard"]["streak"]) == 0
+    assert int(state["opt_state"].stats["accepted"]) == 1 and int(state["opt_state"].stats["streak"]) == 0
 
 
 def test_unguarded_call_reports_a_non_finite_state(monkeypatch):
@@ -146,7 +148,7 @@ def test_eval_refuses_non_finite_parameters_and_all_goes_on(tmp_path, shakespear
     assert code == 0, err[-2000:]
     ckpt = Checkpoints(tmp_path, dataclasses.replace(Config().checkpoint, async_save=False))
     meta = ckpt.read_meta(10)
-    trainer = TrainProgram.build(train_app.configs.from_dict(meta["config"]), make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    trainer = TrainProgram.build(configs.from_dict(meta["config"]), make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     with jax.set_mesh(trainer.mesh):
         state = ckpt.restore(10, trainer.abstract_state())
         state["params"] = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), state["params"])

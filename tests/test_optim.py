@@ -12,7 +12,8 @@ from flax import nnx
 from test_train_step import BATCHES, one_device, param_diff, run_calls
 
 from configs.base import CheckpointConfig, Config, GuardConfig, OptimConfig, TrainConfig
-from gpt2 import GPT2Config, make_mesh
+from gpt2 import GPT2Config
+from trainer.program.mesh import make_mesh
 from gpt2.model import GPT2
 from gpt2.sharded_init import abstract_model
 from gpt2.sharding import ShardingRules

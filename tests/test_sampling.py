@@ -60,3 +60,17 @@ def test_the_default_sample_starts_with_a_small_block_size():
                               train=dataclasses.replace(cfg.train, seq_len=64))
     assert cfg.train.sample_tokens > cfg.model.block_size
     check_sample_prompt(cfg)
+
+
+def test_the_end_of_run_prompt_suits_the_corpus():
+    """Unset, the prompt is "ROMEO:" on the embedded Shakespeare and <|endoftext|> (an unconditional sample) on a
+    corpus of the user's own; a prompt given is used as given."""
+    from trainer.run.driver import sample_prompt
+
+    cfg = configs.load("shakespeare_cpu")
+    assert cfg.train.sample_prompt is None
+    assert sample_prompt(cfg) == [33676, 4720, 25]  # "ROMEO:"
+    own = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset="/data/mine"))
+    assert sample_prompt(own) == [50256]
+    given = dataclasses.replace(own, train=dataclasses.replace(cfg.train, sample_prompt="def main():"))
+    assert sample_prompt(given) == [4299, 1388, 33529]

@@ -19,7 +19,8 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
 from conftest import ROOT, cli_env, run_cli
-from gpt2 import GPT2, GPT2Config, create_sharded_model, make_mesh
+from gpt2 import GPT2, GPT2Config, create_sharded_model
+from trainer.program.mesh import make_mesh
 from gpt2.config import ConfigError
 from gpt2.layers import CausalSelfAttention, attention_implementation
 from gpt2.sharding import ShardingRules

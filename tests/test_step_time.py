@@ -194,7 +194,7 @@ B, T, H, K, BLOCK = 4, 1024, 4, 64, 128  # per chip [2, 1024, 2, 64]: 8 × 8 blo
 
 @pytest.fixture(scope="module")
 def model_mesh():
-    from gpt2.sharding import make_mesh
+    from trainer.program.mesh import make_mesh
     from planning.aot import topology_devices
 
     return make_mesh(2, 1, 2, devices=topology_devices("v5e:2x2"))  # the model's mesh: axes in Auto mode

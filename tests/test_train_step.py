@@ -15,7 +15,8 @@ from flax import nnx
 
 from configs.base import CheckpointConfig, Config, OptimConfig, TrainConfig
 from errors import CheckpointError
-from gpt2 import GPT2Config, make_mesh
+from gpt2 import GPT2Config
+from trainer.program.mesh import make_mesh
 from gpt2.sharding import ShardingRules
 from planning import hlo
 from trainer.program.optimizer import decay_mask, lr_schedule

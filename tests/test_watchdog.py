@@ -116,5 +116,5 @@ def test_zero_is_a_valid_setting_and_a_zero_floor_is_not():
     from errors import ConfigError
 
     assert Config(distributed=DistributedConfig(stall_timeout_seconds=0)).distributed.stall_timeout_seconds == 0
-    with pytest.raises(ConfigError, match=r"^distributed.stall_floor_seconds must be a finite number > 0, got 0"):
+    with pytest.raises(ConfigError, match=r"^--distributed.stall_floor_seconds must be a finite number > 0, got 0"):
         Config(distributed=dataclasses.replace(DistributedConfig(), stall_floor_seconds=0))

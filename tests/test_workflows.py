@@ -262,9 +262,10 @@ def test_lm_eval_adapter_matches_the_hf_backend(run, tasks_dir, hf_backend):
 
     from configs import from_dict
     from configs.base import CheckpointConfig
-    from gpt2.sharding import ShardingRules, make_mesh
+    from gpt2.sharding import ShardingRules
+    from trainer.program.mesh import make_mesh
     from trainer.eval.harness import GPT2LM, score
-    from trainer.program.eval_call import Evaluator
+    from trainer.program.evaluator import Evaluator
     from trainer.storage.checkpoints import Checkpoints
 
     ckpt = Checkpoints(run, CheckpointConfig(), read_only=True)

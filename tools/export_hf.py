@@ -23,7 +23,8 @@ from configs.cli import parse
 from data.tokenizer import VOCAB_SIZE, save_hf_tokenizer
 from errors import CheckpointError, ConfigError, one_line_errors
 from gpt2.hf import require_standard, to_hf
-from gpt2.sharding import ShardingRules, make_mesh
+from gpt2.sharding import ShardingRules
+from trainer.program.mesh import make_mesh
 from trainer.program.layout import ModelLayout
 from trainer.storage.checkpoints import Checkpoints, config_from_meta
 from trainer.storage.files import storage_errors

@@ -9,7 +9,6 @@ meets alone, at any point after the job has formed, ends every process within se
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import sys
 import threading
@@ -24,25 +23,41 @@ from jax.experimental import multihost_utils
 
 from configs.base import DistributedConfig
 from errors import ConfigError, UserError, first_line
+from trainer.rollcall import roll_call
 
 T = TypeVar("T")
 
 
 def initialize_distributed(d: DistributedConfig) -> None:
-    """Joins the multi-process job when there is one: explicit settings (flags, then JAX_* variables) override
-    JAX's own cluster detection (Cloud TPU VMs and GKE, SLURM, Open MPI, Kubernetes); none of them: one
-    process."""
+    """Joins the multi-process job when there is one: explicit settings (flags, then JAX_* variables, as the
+    local launcher tools/launch.py gives them), else JAX's own cluster detection (Cloud TPU VMs and GKE, Slurm,
+    Open MPI, Kubernetes); none of them: one process. Every process checks in with process 0 first
+    (trainer/rollcall.py): one that never starts is named in one line on the others, `initialization_timeout`
+    after process 0's start, instead of JAX's abort."""
+    address, num, pid = job_settings(d)
+    if address is None:
+        return
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu" or jax.config.jax_platforms == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    roll_call(address, num, pid, d.initialization_timeout)
+    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid,
+                               heartbeat_timeout_seconds=d.heartbeat_timeout_seconds,
+                               initialization_timeout=d.initialization_timeout)
+
+
+def job_settings(d: DistributedConfig) -> tuple[str | None, int | None, int | None]:
+    """(coordinator address, process count, this process's id); (None, ...) where there is no job to join. The
+    detection is the one jax.distributed.initialize() runs (JAX keeps it private); its choice of local devices
+    is left to it (JAX_LOCAL_DEVICE_IDS, else its default, e.g. one GPU per Slurm task)."""
     address = d.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    timeouts = dict(heartbeat_timeout_seconds=d.heartbeat_timeout_seconds,
-                    initialization_timeout=d.initialization_timeout)
     if address is not None:
-        num = _setting("distributed.num_processes", d.num_processes, "JAX_NUM_PROCESSES")
-        pid = _setting("distributed.process_id", d.process_id, "JAX_PROCESS_ID")
-        if os.environ.get("JAX_PLATFORMS", "") == "cpu" or jax.config.jax_platforms == "cpu":
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid, **timeouts)
-    elif _cluster_detected():
-        jax.distributed.initialize(num_processes=d.num_processes, process_id=d.process_id, **timeouts)
+        return (address, _setting("distributed.num_processes", d.num_processes, "JAX_NUM_PROCESSES"),
+                _setting("distributed.process_id", d.process_id, "JAX_PROCESS_ID"))
+    from jax._src.clusters import ClusterEnv
+
+    address, num, pid, _ = ClusterEnv.auto_detect_unset_distributed_params(
+        None, d.num_processes, d.process_id, None, None, d.initialization_timeout)
+    return address, num, pid
 
 
 def _setting(flag: str, value: int | None, variable: str) -> int:
@@ -53,17 +68,6 @@ def _setting(flag: str, value: int | None, variable: str) -> int:
     except (KeyError, ValueError):
         raise ConfigError(f"a coordinator address is set, so --{flag} (or {variable}) must be an integer too"
                           ) from None
-
-
-def _cluster_detected() -> bool:
-    """Whether one of the cluster environments `jax.distributed.initialize()` knows is present (JAX keeps its
-    list private; without it, only a Cloud TPU VM is recognised)."""
-    try:
-        from jax._src.clusters import ClusterEnv
-
-        return any(not env.opt_in_only_method and env.is_env_present() for env in ClusterEnv._cluster_types)
-    except (ImportError, AttributeError):
-        return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def is_process_0() -> bool:
@@ -80,6 +84,7 @@ def say(text: str) -> None:
 def barrier(name: str) -> None:
     """Waits for every process."""
     if jax.process_count() > 1:
+        start_up_point(f"the barrier {name}")
         multihost_utils.sync_global_devices(name)
 
 
@@ -87,6 +92,11 @@ def all_agree(ok: bool) -> bool:
     """True only when `ok` is true on every process."""
     if jax.process_count() == 1:
         return ok
+    start_up_point("an agreement of all processes")
+    return _agree(ok)
+
+
+def _agree(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
 
 
@@ -94,14 +104,80 @@ def on_process_0(act: Callable[[], T], what: str) -> T | None:
     """Runs `act` on process 0 only; if it raises a UserError, every process raises one (process 0 its own, the
     others one naming `what` process 0 could not do), so no process is left waiting for the others."""
     failure, result = None, None
+    if jax.process_count() > 1:
+        start_up_point(f"the point where process 0 would {what}")
     if is_process_0():
         try:
             result = act()
         except UserError as e:
             failure = e
-    if not all_agree(failure is None):
+    if jax.process_count() > 1 and not _agree(failure is None):
         raise failure or UserError(f"process 0 could not {what}; its error is on its console")
+    if failure is not None:
+        raise failure
     return result
+
+
+# ---- the start-up: from the job's forming to its first train call -----------------------------------
+
+_START_UP = "gpt2_nnx/start_up/"  # per start-up point, a key for each process that came to it
+BACKSTOP_S = 30  # past the start-up deadline, a process still without a finished train call ends itself
+
+
+class _StartUp:
+    """Bounds the job's start-up: from the moment it formed, every process must finish its first train call
+    within `seconds` (--distributed.startup_timeout_seconds, minutes: restoring and compiling on a pod take
+    minutes). Every agreement on the way, and the first train call, is a start-up point: each process waits there
+    for all the others (the coordination service's barrier), at most until the deadline; the ones that did not
+    come are named (each process leaves a key at each point), in one line on every process, instead of the
+    others waiting in a collective (on a TPU for ever; CPU collectives give a late peer 30 s, then raise a
+    CoordinationServiceError). A process stuck inside a call (compiling, or in a collective that a stuck peer
+    never joins) reaches no point: BACKSTOP_S after the deadline it ends itself in one line."""
+
+    def __init__(self, client, me: int, n: int, seconds: float):
+        self.client, self.me, self.n, self.seconds = client, me, n, seconds
+        self.deadline, self.points = time.monotonic() + seconds, 0
+        self.finished = threading.Event()
+        threading.Thread(target=self._backstop, name="start-up-backstop", daemon=True).start()
+
+    def reach(self, point: str) -> None:
+        key, self.points = f"{_START_UP}{self.points}", self.points + 1  # the same sequence on every process
+        self.client.key_value_set(f"{key}/{self.me}", point)
+        left_ms = max(1, int((self.deadline - time.monotonic()) * 1000))
+        try:
+            self.client.wait_at_barrier(key, left_ms)
+        except Exception as e:  # noqa: BLE001 - jaxlib's runtime error; only a timeout is ours to word
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
+            raise UserError(self._late(key, point)) from None
+
+    def _late(self, key: str, point: str) -> str:
+        came = {int(k.rsplit("/", 1)[1]) for k, _ in self.client.key_value_dir_get(f"{key}/")}
+        late = sorted(set(range(self.n)) - came)
+        who = f"process {late[0]}" if len(late) == 1 else f"processes {', '.join(map(str, late))}"
+        return (f"start-up: {who} did not come to {point} within {self.seconds:g} s of the job forming"
+                " (--distributed.startup_timeout_seconds); the other processes did")
+
+    def _backstop(self) -> None:
+        if not self.finished.wait(max(0.0, self.deadline - time.monotonic()) + BACKSTOP_S):
+            end_process(f"start-up: no train call finished on process {self.me} within {self.seconds:g} s (+"
+                        f"{BACKSTOP_S} s) of the job forming (--distributed.startup_timeout_seconds): it is stuck in"
+                        " its first call (compiling, or in a collective a stuck process never joined)", notify_s=5)
+
+
+_start_up: _StartUp | None = None  # set from the job's forming until the first train call finished
+
+
+def start_up_point(point: str) -> None:
+    """During the start-up, waits until every process has come to `point` (see _StartUp); else nothing."""
+    if _start_up is not None and not _start_up.finished.is_set():
+        _start_up.reach(point)
+
+
+def first_call_finished() -> None:
+    """This process's first train call has finished: the start-up is over."""
+    if _start_up is not None:
+        _start_up.finished.set()
 
 
 # ---- one failure ends the job --------------------------------------------------------------------
@@ -246,17 +322,20 @@ def end_job(reason: str) -> None:
 
 
 @contextlib.contextmanager
-def failing_together() -> Iterator[None]:
+def failing_together(startup_timeout: float = 0) -> Iterator[None]:
     """Any error that ends one process ends every process of the job, within seconds: the failing process
     exits with its own one-line error, the others with "process N failed (reason)". Without it the others
     would wait in their next collective until the coordination service's heartbeat timeout (~100 s), then die
     with a traceback. Every process of a failing job leaves through os._exit: an orderly exit would wait at
-    jax.distributed's shutdown barrier for processes that are gone."""
-    global _job
+    jax.distributed's shutdown barrier for processes that are gone. `startup_timeout` > 0: the start-up until
+    the first train call (`first_call_finished`) is bounded too (_StartUp)."""
+    global _job, _start_up
     if jax.process_count() == 1:
         yield
         return
     job = _job = _Job()
+    if startup_timeout > 0:
+        _start_up = _StartUp(job.client, job.me, job.n, startup_timeout)
     try:
         yield
         job.done()
@@ -270,4 +349,6 @@ def failing_together() -> Iterator[None]:
         sys.stderr.flush()
         os._exit(1)
     finally:
-        _job = None
+        if _start_up is not None:
+            _start_up.finished.set()
+        _job, _start_up = None, None

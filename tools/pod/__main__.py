@@ -49,6 +49,10 @@ def keep(job: Job, attach: bool = False) -> int:
     try:
         if not attach:
             keeper.bring_up()
+            if job.where.target == "tpu-vm":
+                print(f"{job.name}: training on every host, detached from this launcher: stopping it (Ctrl-C, a"
+                      f" closed laptop) leaves it running. Each host's output: {job.run_dir}/logs/console.*.log",
+                      flush=True)
         return keeper.follow()
     except KeyboardInterrupt:
         print(f"\nstopped polling {job.name}; it keeps running. State: python -m tools.pod status"

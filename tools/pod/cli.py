@@ -34,6 +34,8 @@ def parser() -> Parser:
         verb.add_argument("--zone", default="", help="tpu-vm, xpk, jobset: the Google Cloud zone")
         verb.add_argument("--project", default="", help="tpu-vm, xpk, jobset: the Google Cloud project")
         verb.add_argument("--cluster", default="", help="xpk, jobset: the GKE cluster")
+        verb.add_argument("--workdir", default=None, help="where the launcher keeps this job's files and, for"
+                          " slurm, its job id (default ~/.cache/gpt2_nnx/pod/NAME)")
     a = launch.add_argument
     a("--topology", required=True, help="v5e-256, v4-32, v5p-64, v6e-16 (Cloud TPU names), gpu-N (slurm)")
     a("--num_slices", type=int, default=1, help="TPU slices joined over the data-center network (multislice)")
@@ -41,7 +43,8 @@ def parser() -> Parser:
     a("--shared_fs", action="store_true", help="--run_dir is a path mounted on every host (NFS, Lustre)")
     a("--repo", default=None, help="what hosts git clone (default: this checkout's origin)")
     a("--commit", default=None, help="the commit hosts install (default: this checkout's HEAD)")
-    a("--retries", type=int, default=0, help="relaunches after a preemption or failure")
+    a("--retries", type=int, default=0, help="relaunches after a preemption or failure (xpk, jobset: JobSet's"
+      " restarts)")
     a("--poll_seconds", type=float, default=60.0, help="how often the job's state is read")
     a("--spot", action="store_true", help="tpu-vm: spot capacity")
     a("--runtime_version", default="", help="tpu-vm: the TPU VM image (default: the generation's base image)")
@@ -50,7 +53,6 @@ def parser() -> Parser:
     a("--skip_aot", action="store_true", help="do not compile for the topology first")
     a("--dry_run", action="store_true", help="print the commands and files, run nothing")
     a("--attach", action="store_true", help="poll (and relaunch) a job an earlier launch started")
-    a("--workdir", default=None, help="where generated files and logs go (default ~/.cache/gpt2_nnx/pod/NAME)")
     a("train_args", nargs=argparse.REMAINDER, help="-- then train.py's flags (without --run_dir)")
     return p
 
@@ -64,7 +66,8 @@ def where(args) -> Where:
     missing = [f"--{n}" for n in needs if not getattr(args, n)]
     if missing:
         raise ConfigError(f"--target {args.target} needs {' and '.join(missing)}")
-    return Where(args.target, args.name, args.zone, args.project, args.cluster)
+    workdir = Path(args.workdir or Path.home() / ".cache" / "gpt2_nnx" / "pod" / (args.name or ""))
+    return Where(args.target, args.name, args.zone, args.project, args.cluster, workdir)
 
 
 def job_of(args) -> Job:
@@ -75,21 +78,28 @@ def job_of(args) -> Job:
     if not re.fullmatch(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", w.name):
         raise ConfigError(f"--name {w.name}: use lower-case letters, digits and hyphens (at most 40), as Google"
                           " Cloud and Kubernetes names must")
-    s = parse_topology(args.topology, args.gpus_per_node)
-    if s.is_tpu == (w.target == "slurm"):
-        raise ConfigError(f"--topology {s.name} with --target {w.target}: slurm runs gpu-N topologies, the other"
-                          " targets Cloud TPU slices")
-    if args.num_slices < 1 or (args.num_slices > 1 and not s.is_tpu):
-        raise ConfigError(f"--num_slices {args.num_slices}: give 1, or more for TPU slices")
+    s = parse_topology(args.topology, w.target, args.gpus_per_node)
+    check_slices(s, args.num_slices, w.target)
+    if args.retries < 0 or not args.poll_seconds > 0:
+        raise ConfigError(f"--retries {args.retries} / --poll_seconds {args.poll_seconds:g}: give a count >= 0 and"
+                          " a time > 0")
     check_run_dir(args.run_dir, s.hosts * args.num_slices, args.shared_fs)
     if any(a == "--run_dir" or a.startswith("--run_dir=") for a in train_args):
         raise ConfigError("give --run_dir to the launcher (before --), not to train.py after --")
     check_batch(train_args, args.num_slices)
-    workdir = Path(args.workdir or Path.home() / ".cache" / "gpt2_nnx" / "pod" / w.name)
     return Job(where=w, slice=s, num_slices=args.num_slices, run_dir=args.run_dir,
                repo=args.repo or origin(), commit=args.commit or head_commit(), train_args=train_args,
                image=args.image, runtime_version=args.runtime_version, spot=args.spot, retries=args.retries,
-               poll_seconds=args.poll_seconds, workdir=workdir)
+               poll_seconds=args.poll_seconds)
+
+
+def check_slices(s, num_slices: int, target: str) -> None:
+    if num_slices < 1 or (num_slices > 1 and not s.is_tpu):
+        raise ConfigError(f"--num_slices {num_slices}: give 1, or more for TPU slices")
+    if num_slices > 1 and s.hosts == 1 and target in ("xpk", "jobset"):  # GKE's multislice: multi-host pools
+        raise ConfigError(f"--num_slices {num_slices} with --topology {s.name}: GKE joins slices of several hosts"
+                          f" only (its multislice needs multi-host node pools); {s.name} is one host. Give a larger"
+                          " slice, or --target tpu-vm")
 
 
 def check_run_dir(run_dir: str, hosts: int, shared_fs: bool) -> None:
@@ -147,7 +157,7 @@ def origin() -> str:
 
 def print_plan(job: Job) -> None:
     """--dry_run: everything the launch would run, in order, and the files it would write."""
-    from tools.pod.targets import delete_commands, state_command
+    from tools.pod.targets import delete_commands, job_state_command, state_command
 
     p = plan(job)
     slices = f" x {job.num_slices} slices" if job.num_slices > 1 else ""
@@ -159,4 +169,10 @@ def print_plan(job: Job) -> None:
     for command in (*p.create, *p.install, *p.start):
         print(f"$ {command}")
     print(f"# then every {job.poll_seconds:g} s: $ {state_command(job.where)}")
+    if job.where.target == "tpu-vm":
+        print(f"#   and while it is ACTIVE: $ {job_state_command(job)}")
+    owner = (f"relaunched by this launcher up to {job.retries} times" if p.relaunches else
+             f"restarted by JobSet up to {job.retries} times (failurePolicy.maxRestarts)")
+    print(f"# a preempted slice or failed training is {owner}" + (f"; before a restart on the same hosts: $ "
+                                                                  f"{p.stop[0]}" if p.stop else ""))
     print(f"# delete: $ {' && '.join(delete_commands(job.where))}")

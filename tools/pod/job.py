@@ -1,5 +1,6 @@
-"""What a pod launch is (`Job`), and the two commands every host runs: the install pinned to one commit, and
-the training command, which `tools.pod.host` turns into this host's place in the JAX job."""
+"""What a pod launch is (`Job`), and the commands every host runs: the install pinned to one commit, and train.py,
+which finds its place in the JAX job itself (`jax.distributed.initialize()`'s cluster detection: the TPU VM's
+metadata server, GKE's TPU_WORKER_* and MEGASCALE_* variables, Slurm's SLURM_* variables)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class Where:
     zone: str = ""
     project: str = ""
     cluster: str = ""  # xpk / jobset: the GKE cluster
+    workdir: Path = Path(".")  # the launcher's files for this job (slurm: the submitted job's id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +42,14 @@ class Job:
     spot: bool = False
     retries: int = 0
     poll_seconds: float = 60.0
-    workdir: Path = Path(".")  # where the launcher keeps its generated files and logs
 
     @property
     def name(self) -> str:
         return self.where.name
+
+    @property
+    def workdir(self) -> Path:
+        return self.where.workdir
 
     @property
     def hosts(self) -> int:
@@ -67,14 +72,17 @@ class Job:
         """What `plan.py --topology` compiles for: one slice's topology, `*N` for N slices."""
         return self.slice.aot_topology + (f"*{self.num_slices}" if self.num_slices > 1 else "")
 
-    def train_command(self) -> str:
-        """train.py through tools.pod.host, which sets JAX_PROCESS_ID etc. from what the platform gives the host;
-        several slices: the mesh's `data` axis spans them (--mesh.num_slices)."""
+    def train_argv(self) -> str:
+        """train.py and its flags, quoted; several slices: the mesh's `data` axis spans them (--mesh.num_slices)."""
         slices = (f"--mesh.num_slices={self.num_slices}",) if self.num_slices > 1 and not any(
             a.startswith("--mesh.num_slices") for a in self.train_args) else ()
         args = " ".join(shlex.quote(a) for a in (*self.train_args, *slices, f"--run_dir={self.run_dir}"))
-        return f"cd {CHECKOUT} && .venv/bin/python -m tools.pod.host -- .venv/bin/python train.py {args}"
+        return f".venv/bin/python train.py {args}"
+
+    def train_command(self) -> str:
+        """The training in the foreground: what a container or a Slurm task runs."""
+        return f"cd {CHECKOUT} && {self.train_argv()}"
 
     def start_command(self) -> str:
-        """Install, then train: what a container or a Slurm task runs."""
+        """Install, then train: a container's command."""
         return f"({self.install_command()}) && {self.train_command()}"

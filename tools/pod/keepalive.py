@@ -1,8 +1,10 @@
-"""Bringing a job up and keeping it alive: create, wait until ready, install, start; then poll. When the slice is
-preempted or the training fails, recreate what is gone and start the same command again, `--retries` times;
-train.py resumes from the newest complete checkpoint. Each relaunch is a `relaunch` record in the run's
+"""Bringing a job up and following it to its end: create, wait until ready, install, start; then poll the job's
+state every --poll_seconds. Where the launcher owns relaunching (tpu-vm, slurm: targets.Plan.relaunches), a
+preempted slice or a failed training is started again, `--retries` times (a gone slice deleted and created
+first); train.py resumes from the newest complete checkpoint. Each relaunch is a `relaunch` record in the run's
 events.jsonl (the goodput report counts the time from the last record before it to the new attempt's start as
-`restart_gap`).
+`restart_gap`). A state command that fails (an API or network error) says nothing about the job: it is polled
+again, never taken for a lost slice.
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
 
 from errors import UserError
 from tools.pod.job import Job
-from tools.pod.targets import DONE, GONE, PENDING, RUNNING, delete_commands, plan, state_command, state_of
+from tools.pod.targets import (DONE, FAILED, GONE, PENDING, RUNNING, UNKNOWN, delete_commands, job_state_command,
+                               job_state_of, plan, state_command, state_of)
+
+WHY = {GONE: "the slice or job is gone (preempted or deleted)", FAILED: "the training failed"}
 
 
 class CommandFailed(UserError):
@@ -35,9 +38,20 @@ def must(command: str) -> None:
         raise CommandFailed(f"`{command.split(' --command=')[0][:200]}` failed with status {r.returncode}")
 
 
+def quietly(command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, check=False)
+
+
 def state(job: Job) -> str:
-    r = subprocess.run(["bash", "-c", state_command(job.where)], capture_output=True, text=True, check=False)
-    return state_of(job.where.target, r.returncode, r.stdout)
+    """The job's state: its resource's, and on a running TPU VM slice its training's (process 0's host)."""
+    r = quietly(state_command(job.where))
+    s = state_of(job.where.target, r.returncode, r.stdout, r.stderr)
+    if job.where.target == "tpu-vm" and s == RUNNING:
+        r = quietly(job_state_command(job))
+        s = job_state_of(r.returncode, r.stdout)
+    if s == DONE and run_finished(job.run_dir) is False:
+        return FAILED  # exit 0 after a SIGTERM (preempted, saved) is no finished run
+    return s
 
 
 class Keeper:
@@ -45,8 +59,7 @@ class Keeper:
 
     def __init__(self, job: Job):
         self.job, self.plan = job, plan(job)
-        self.procs: list[subprocess.Popen] = []
-        self.relaunches = 0
+        self.relaunches, self.unknown_since = 0, None
 
     def write_files(self) -> None:
         self.job.workdir.mkdir(parents=True, exist_ok=True)
@@ -57,89 +70,69 @@ class Keeper:
         if create:
             for command in self.plan.create:
                 must(command)
-        if self.plan.ready is not None:
+        if self.plan.ready:
             self._wait_ready()
         for command in self.plan.install:
             must(command)
-        self.start()
+        for command in self.plan.start:
+            must(command)
 
     def _wait_ready(self) -> None:
         print(f"waiting for {self.job.name} to be ACTIVE", flush=True)
-        while (s := state(self.job)) != RUNNING:
+        while True:
+            r = quietly(state_command(self.job.where))
+            s = state_of(self.job.where.target, r.returncode, r.stdout, r.stderr)
+            if s == RUNNING:
+                return
             if s == GONE:
-                raise CommandFailed(f"{self.job.name} went away before it was ready")
+                raise CommandFailed(f"{self.job.name} went away before it was ready ({r.stdout.strip() or 'deleted'})")
             time.sleep(self.job.poll_seconds)
-
-    def start(self) -> None:
-        """Starts the training: long-lived ssh sessions (tpu-vm, in their own session so a Ctrl-C here leaves
-        them running; output to a log this process follows) or a submission that returns."""
-        log = self.job.workdir / f"attempt-{self.relaunches + 1}.log"
-        self.procs = []
-        for command in self.plan.start:
-            if self.job.where.target == "tpu-vm":
-                print(f"$ {command}\n(output: {log})", flush=True)
-                with open(log, "a") as out:  # the session keeps its own copy of the file
-                    self.procs.append(subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT,
-                                                       stdin=subprocess.DEVNULL, start_new_session=True))
-                threading.Thread(target=_follow, args=(log, self.procs[-1]), daemon=True).start()
-            else:
-                must(command)
 
     def follow(self) -> int:
-        """Polls until the run finishes (0) or the relaunches run out (1)."""
+        """Polls until the run finishes (0), or fails with no relaunch left or none of the launcher's (1)."""
         while True:
             time.sleep(self.job.poll_seconds)
-            outcome = self._outcome()
+            outcome = self.outcome()
             if outcome == DONE:
                 print(f"{self.job.name}: the run finished; delete what it used with: {delete_hint(self.job)}")
                 return 0
-            if outcome in (RUNNING, PENDING):
+            if outcome in (RUNNING, PENDING, UNKNOWN):
                 continue
+            if not self.plan.relaunches:
+                return self._ended(outcome)
             if self.relaunches >= self.job.retries:
-                print(f"error: {self.job.name}: {outcome} and no relaunch left (--retries {self.job.retries})",
+                print(f"error: {self.job.name}: {WHY[outcome]} and no relaunch left (--retries {self.job.retries})",
                       file=sys.stderr, flush=True)
                 return 1
             self.relaunch(outcome)
 
-    def _outcome(self) -> str:
-        """running / pending / done, or why it must be relaunched: gone (the slice or workload is), failed."""
+    def outcome(self) -> str:
         s = state(self.job)
-        if self.job.where.target != "tpu-vm" or s != RUNNING:
-            return s if s != DONE or run_finished(self.job.run_dir) is not False else "failed"
-        if not self.procs:  # attached to a launch made earlier: the run's own records tell
-            return {True: DONE, False: "failed", None: RUNNING}[run_ended(self.job.run_dir)]
-        if any(p.poll() is None for p in self.procs):
-            return RUNNING
-        ok = all(p.returncode == 0 for p in self.procs) and run_finished(self.job.run_dir) is not False
-        return DONE if ok else "failed"  # exit 0 after a SIGTERM (preempted, saved) is no finished run
+        if s == UNKNOWN and self.unknown_since is None:
+            self.unknown_since = time.time()
+            print(f"{self.job.name}: its state could not be read (the next poll asks again)", flush=True)
+        elif s != UNKNOWN and self.unknown_since is not None:
+            print(f"{self.job.name}: its state reads again after {time.time() - self.unknown_since:.0f} s", flush=True)
+            self.unknown_since = None
+        return s
+
+    def _ended(self, outcome: str) -> int:
+        """JobSet's end (it restarts the job itself, up to --retries times): said, not relaunched."""
+        what = {GONE: "the JobSet is gone (deleted outside the launcher)",
+                FAILED: f"the JobSet failed after its restarts (maxRestarts {self.job.retries}), or completed"
+                        " before the run finished"}[outcome]
+        print(f"error: {self.job.name}: {what}; the same launch command resumes the run from its newest"
+              " checkpoint", file=sys.stderr, flush=True)
+        return 1
 
     def relaunch(self, why: str) -> None:
         self.relaunches += 1
-        for p in self.procs:  # what is left of the last attempt's sessions
-            if p.poll() is None:
-                p.kill()
-        reason = {GONE: "the slice or workload is gone (preempted or deleted)"}.get(why, "the training failed")
-        print(f"{self.job.name}: {reason}; relaunch {self.relaunches} of {self.job.retries}", flush=True)
-        record_relaunch(self.job.run_dir, self.relaunches, reason)
-        recreate = why == GONE or self.job.where.target != "tpu-vm"
-        if recreate:
-            for command in delete_commands(self.job.where):
-                shell(command)  # a preempted queued resource must be deleted before its name is free again
+        print(f"{self.job.name}: {WHY[why]}; relaunch {self.relaunches} of {self.job.retries}", flush=True)
+        record_relaunch(self.job.run_dir, self.relaunches, WHY[why])
+        recreate = why == GONE or not self.plan.stop
+        for command in delete_commands(self.job.where) if recreate else self.plan.stop:
+            shell(command)  # a preempted queued resource must be deleted before its name is free again
         self.bring_up(create=recreate)
-
-
-def _follow(log: Path, proc: subprocess.Popen) -> None:
-    """Copies the ssh sessions' output to the console as it arrives."""
-    with open(log) as f:
-        while True:
-            line = f.readline()
-            if line:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-            elif proc.poll() is not None:
-                return
-            else:
-                time.sleep(0.2)
 
 
 def run_finished(run_dir: str) -> bool | None:
@@ -152,20 +145,6 @@ def run_finished(run_dir: str) -> bool | None:
         return None
     ends = [r for r in records if r.get("event") == "attempt_end"]
     return bool(ends) and ends[-1].get("how") == "finished"
-
-
-def run_ended(run_dir: str) -> bool | None:
-    """Whether the newest attempt ended finished (True) or otherwise (False); None while it runs (or it crashed
-    without a record: an attached launcher then waits for the slice's state to change)."""
-    try:
-        from trainer.storage.run_dir import RunDir
-
-        records = [r for r in RunDir(run_dir).read_events(say_torn=False) if r.get("event") != "relaunch"]
-    except Exception:  # noqa: BLE001
-        return None
-    if not records or records[-1].get("event") != "attempt_end":
-        return None
-    return records[-1].get("how") == "finished"
 
 
 def record_relaunch(run_dir: str, number: int, reason: str) -> None:
@@ -181,6 +160,8 @@ def record_relaunch(run_dir: str, number: int, reason: str) -> None:
 
 def delete_hint(job: Job) -> str:
     w = job.where
+    workdir = str(w.workdir) if w.target == "slurm" else ""  # where the job's id is
     flags = f"--target {w.target} --name {w.name}" + "".join(
-        f" --{k} {v}" for k, v in (("zone", w.zone), ("project", w.project), ("cluster", w.cluster)) if v)
+        f" --{k} {v}" for k, v in (("zone", w.zone), ("project", w.project), ("cluster", w.cluster),
+                                   ("workdir", workdir)) if v)
     return f"python -m tools.pod delete {flags}"

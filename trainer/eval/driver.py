@@ -21,7 +21,7 @@ from trainer.corpus import resolve_corpus, val_dataset
 from trainer.eval.sampling import prompt_that_fits, sample
 from trainer.eval.tasks import check_tasks
 from trainer.processes import initialize_distributed, is_process_0, on_process_0, say
-from trainer.program.eval_call import Evaluator
+from trainer.program.evaluator import Evaluator
 from trainer.program.mesh import checked_mesh
 from trainer.storage.checkpoints import CheckpointGone, Checkpoints, check_compatible, config_from_meta
 from trainer.storage.compile_cache import use_compile_cache

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from data.tokenizer import EOT, get_tokenizer
 from errors import CheckpointError, ConfigError, first_line
 from trainer.processes import say
-from trainer.program.eval_call import Evaluator
+from trainer.program.evaluator import Evaluator
 from trainer.storage.run_dir import eval_record
 
 SHORTEST = 64  # the smallest padded length
@@ -62,7 +62,7 @@ class GPT2LM(TemplateLM):
     """lm-eval's model interface over a GPT-2 of ours.
 
     Args:
-      evaluator: the model's structure, mesh and shardings (trainer/program/eval_call.py).
+      evaluator: the model's structure, mesh and shardings (trainer/program/evaluator.py).
       params: the parameters, in the evaluator's shardings.
       batch_size: rows per call (divisible by the mesh's data-parallel size).
       max_length: the longest row (at most the model's context); longer requests are cut on the left, as

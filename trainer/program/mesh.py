@@ -1,4 +1,5 @@
-"""The run's device mesh, checked against the devices and the global batch before anything is built.
+"""The device mesh: its construction from sizes (one may be -1, "the rest"), and the run's mesh, checked against the
+devices and the global batch before anything is built.
 
 Over several TPU slices (`mesh.num_slices`) the mesh keeps its three axes: `data` spans the slices, slice-major (data
 index = slice × data-per-slice + the index inside the slice), while `fsdp` and `tensor` stay inside a slice, so that
@@ -9,6 +10,7 @@ checkpoints mean what they mean on one slice of as many devices.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -17,7 +19,37 @@ from jax.sharding import AxisType, Mesh
 
 from configs.base import Config, MeshConfig
 from errors import ConfigError
-from gpt2.sharding import MESH_AXES, make_mesh, mesh_shape
+from gpt2.sharding import MESH_AXES
+
+
+def make_mesh(
+    data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """A ('data', 'fsdp', 'tensor') mesh over `devices` (default: all). One size may be -1 ("the rest")."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(data, fsdp, tensor, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def mesh_shape(data: int, fsdp: int, tensor: int, devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) sizes over `devices` devices, the one -1 resolved to the devices the others leave."""
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}  # each >= 1 or -1 (MeshConfig checks them)
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ConfigError(f"only one mesh axis may be -1, got {free}")
+    fixed = int(np.prod([s for s in sizes.values() if s != -1]))
+    if free:
+        if devices % fixed:
+            raise ConfigError(
+                f"mesh {sizes}: {devices} devices are not divisible by the fixed axes' product {fixed}"
+            )
+        sizes[free[0]] = devices // fixed
+    if int(np.prod(list(sizes.values()))) != devices:
+        raise ConfigError(
+            f"mesh data×fsdp×tensor = {sizes['data']}×{sizes['fsdp']}×{sizes['tensor']} ="
+            f" {int(np.prod(list(sizes.values())))} but there are {devices} devices"
+        )
+    return tuple(sizes[a] for a in MESH_AXES)
 
 
 def build_mesh(cfg: Config, devices=None) -> Mesh:

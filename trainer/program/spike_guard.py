@@ -1,18 +1,27 @@
-"""The spike guard: inside the scanned train call, skip an optimizer step whose loss or gradient norm is an
-outlier, and keep the running statistics that decide it in the train state (so a resume stays exact).
+"""The spike guard, an optax transformation: it wraps the optimizer and skips a step whose loss or gradient norm is
+an outlier, keeping the running statistics that decide it in the optimizer state (so a checkpoint carries them and
+a resume stays exact). Levanter's `optim/skipstep.py` is the same idea.
 
-A step is judged on numbers it computes anyway (its loss, and the gradient norm before clipping). The loss
-falls throughout training, fast at first, so a z-score against a plain moving mean mistakes the trend for
-spread (early on, a loss at the initial level scored under 2σ). Each quantity is therefore judged by its
-residual against a fast-moving level (the trend), standardized by the moving mean and variance of past
-residuals: a steady trend only shifts the residuals' mean. A skipped step moves none of the statistics, so
-one spike cannot raise the bar for the next. See configs.base.GuardConfig for the thresholds.
+A step is judged on numbers it computes anyway (its loss, passed in as `update(..., loss=loss)`, and the gradient
+norm before clipping). The loss falls throughout training, fast at first, so a z-score against a plain moving mean
+mistakes the trend for spread (early on, a loss at the initial level scored under 2σ). Each quantity is therefore
+judged by its residual against a fast-moving level (the trend), standardized by the moving mean and variance of
+past residuals: a steady trend only shifts the residuals' mean. A skipped step gives zero updates, keeps the
+wrapped optimizer's state (its count, and so its learning-rate schedule, moves with applied steps only) and moves
+none of the statistics, so one spike cannot raise the bar for the next. See configs.base.GuardConfig for the
+thresholds.
+
+The transformation is always in the chain, so the train state has one structure whether the guard is on or off
+(and a run may switch it at a resume); with `guard.skip_spikes` off it only passes the update through.
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
+import optax
 
 from configs.base import GuardConfig
 
@@ -22,6 +31,44 @@ LEVEL_DECAY = 0.9  # the level follows the trend within ~10 accepted steps
 # and its square), f32[]; "accepted", "skipped": i32[] step counts; "streak": i32[] skipped steps in a row
 GuardStats = dict
 QUANTITIES = ("loss", "grad")
+
+
+class SpikeGuardState(NamedTuple):
+    inner: Any  # the wrapped optimizer's state
+    stats: GuardStats
+
+
+def spike_guard(cfg: GuardConfig, inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`inner`, with a step skipped (zero updates, `inner`'s state kept) when its loss or gradient norm is an
+    outlier, or when it or its update is not finite; `update` takes the step's `loss`."""
+
+    def init(params) -> SpikeGuardState:
+        return SpikeGuardState(inner.init(params), init_stats())
+
+    def update(grads, state: SpikeGuardState, params=None, *, loss, **extra):
+        updates, inner_state = inner.update(grads, state.inner, params, **extra)
+        if not cfg.skip_spikes:
+            return updates, SpikeGuardState(inner_state, state.stats)
+        with jax.named_scope("spike_guard"):
+            grad_norm = optax.tree.norm(grads)
+            finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+                      & all_finite((optax.apply_updates(params, updates), inner_state)))
+            skip = ~finite | is_outlier(cfg, state.stats, loss, grad_norm)
+            updates = jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), updates)
+            inner_state = jax.tree.map(lambda old, new: jnp.where(skip, old, new), state.inner, inner_state)
+            return updates, SpikeGuardState(inner_state, update_stats(cfg, state.stats, loss, grad_norm, skip))
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def step_report(before: SpikeGuardState, after: SpikeGuardState) -> dict[str, jax.Array]:
+    """What a step's update did: skipped (0/1), and the streak of skipped steps it ends."""
+    return {"skipped": after.stats["skipped"] - before.stats["skipped"], "streak": after.stats["streak"]}
+
+
+def without_streak(state: SpikeGuardState) -> SpikeGuardState:
+    """After a rollback the new data gets a fresh count (the checkpoint may have been saved mid-streak)."""
+    return state._replace(stats=state.stats | {"streak": jnp.zeros_like(state.stats["streak"])})
 
 
 def init_stats() -> GuardStats:
@@ -76,8 +123,3 @@ def update_stats(cfg: GuardConfig, stats: GuardStats, loss: jax.Array, grad_norm
     new = {k: jnp.where(regime, jnp.zeros_like(v), v) for k, v in new.items()}
     return new | {"accepted": jnp.where(regime, 0, accepted),
                   "skipped": stats["skipped"] + jnp.where(skipped, one, 0), "streak": streak}
-
-
-def without_streak(stats: GuardStats) -> GuardStats:
-    """After a rollback the new data gets a fresh count (the checkpoint may have been saved mid-streak)."""
-    return stats | {"streak": jnp.zeros_like(stats["streak"])}

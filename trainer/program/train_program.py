@@ -18,14 +18,16 @@ from configs.base import Config
 from gpt2.model import GPT2, next_token_loss
 from gpt2.sharded_init import create_sharded_model
 from gpt2.sharding import ShardingRules
-from trainer.program.eval_call import Evaluator
+from trainer.program.evaluator import Evaluator
 from trainer.program.layout import ModelLayout
 from trainer.program.optimizer import lr_schedule, make_optimizer
-from trainer.program.spike_guard import all_finite, init_stats, is_outlier, update_stats
+from trainer.program.spike_guard import SpikeGuardState, all_finite, init_stats, spike_guard, step_report
 
-# {"params": nnx.State, "opt_state": optax state, "step": int32[], "rng": key, and with guard.skip_spikes
-#  "guard": the spike guard's running statistics}
+# {"params": nnx.State, "opt_state": SpikeGuardState (the optimizer's state and the spike guard's statistics),
+#  "step": int32[], "rng": key}: the same structure whatever the config
 TrainState = dict[str, Any]
+STATE_FORMAT = 2  # recorded in every checkpoint's metadata; without it, a checkpoint from before the guard's
+# statistics moved into the optimizer state (see `restore_target`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +46,7 @@ class TrainProgram:
     @classmethod
     def build(cls, config: Config, mesh: Mesh) -> "TrainProgram":
         layout = ModelLayout.build(config.model, mesh, ShardingRules.preset(config.mesh.rules))
-        tx = make_optimizer(config.optim, config.train.steps, config.model)
+        tx = spike_guard(config.guard, make_optimizer(config.optim, config.train.steps, config.model))
         params, param_shardings = layout.abstract_params, layout.param_shardings
         replicated = NamedSharding(mesh, PartitionSpec())
         # every copy of the parameter tree in the optimizer state (moments, momenta) is laid out as the
@@ -56,8 +58,6 @@ class TrainProgram:
         )
         shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated,
                      "rng": replicated}
-        if config.guard.skip_spikes:
-            shardings["guard"] = jax.tree.map(lambda _: replicated, init_stats())
         return cls(config, layout, Evaluator.on(layout), tx, lr_schedule(config.optim, config.train.steps),
                    shardings, layout.batch_sharding(ndim=3))
 
@@ -69,30 +69,38 @@ class TrainProgram:
     def abstract_params(self) -> nnx.State:
         return self.layout.abstract_params
 
-    def abstract_state(self, *, guard: bool | None = None) -> TrainState:
-        """ShapeDtypeStructs with shardings: the restore target, and the AOT compiler's input. `guard`: with or
-        without the spike guard's statistics (default: as configured; a checkpoint holds them if its run
-        had the guard on)."""
+    def abstract_state(self) -> TrainState:
+        """ShapeDtypeStructs with shardings: the restore target, and the AOT compiler's input."""
         state = {
             "params": self.abstract_params,
             "opt_state": jax.eval_shape(self.tx.init, self.abstract_params),
             "step": jax.ShapeDtypeStruct((), jnp.int32),
             "rng": jax.eval_shape(lambda: jax.random.PRNGKey(0)),
         }
-        shardings = dict(self.state_shardings)
-        if self.guarded if guard is None else guard:
-            state["guard"] = jax.eval_shape(init_stats)
-            shardings["guard"] = jax.tree.map(lambda _: shardings["step"], state["guard"])
-        shardings = {k: shardings[k] for k in state}
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                            self.state_shardings)
 
-    def with_guard_stats(self, state: TrainState) -> TrainState:
-        """A state made to fit this run: fresh statistics (the guard warms up) for a new state or one restored
-        from a run that had the guard off; none when this run has it off."""
-        state = {k: v for k, v in state.items() if k != "guard" or self.guarded}
-        if self.guarded and "guard" not in state:
-            state["guard"] = jax.device_put(init_stats(), self.state_shardings["guard"])
-        return state
+    def restore_target(self, meta: dict) -> tuple[TrainState, Callable[[TrainState], TrainState]]:
+        """(what to restore a checkpoint with this metadata into, how to make the restored tree a TrainState).
+
+        Checkpoints written before STATE_FORMAT 2 hold the optimizer's state alone as "opt_state" and, from a run
+        with the spike guard on, its statistics as a top-level "guard" (fresh ones, as for a run that had it off,
+        otherwise): the one place that knows that layout."""
+        if meta.get("state_format") == STATE_FORMAT:
+            return self.abstract_state(), lambda state: state
+        target = self.abstract_state()
+        target = {**target, "opt_state": target["opt_state"].inner}
+        if meta.get("config", {}).get("guard", {}).get("skip_spikes", False):
+            target["guard"] = jax.tree.map(lambda a: a.update(sharding=self.state_shardings["step"]),
+                                           jax.eval_shape(init_stats))
+
+        def upgrade(old: TrainState) -> TrainState:
+            stats = old.pop("guard", None)
+            if stats is None:
+                stats = jax.device_put(init_stats(), self.state_shardings["step"])
+            return {**old, "opt_state": SpikeGuardState(old["opt_state"], stats)}
+
+        return target, upgrade
 
     def init_state(self, params: nnx.State | None = None) -> TrainState:
         """Fresh parameters (born sharded), or the given ones in their shardings (a fine-tune's starting
@@ -103,17 +111,12 @@ class TrainProgram:
             params = nnx.state(model, nnx.Param)
         opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings["opt_state"])(params)
         put = lambda x, s: jax.device_put(x, s)  # noqa: E731
-        state = {
+        return {
             "params": params,
             "opt_state": opt_state,
             "step": put(jnp.zeros((), jnp.int32), self.state_shardings["step"]),
             "rng": put(jax.random.PRNGKey(self.config.train.seed), self.state_shardings["rng"]),
         }
-        return self.with_guard_stats(state)
-
-    @property
-    def guarded(self) -> bool:
-        return self.config.guard.skip_spikes
 
     def model(self, params: nnx.State) -> GPT2:
         return self.layout.model(params)
@@ -123,9 +126,8 @@ class TrainProgram:
     def train_call(self) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, dict]]:
         """jit(state, batches [K, B, T+1], active [K] bool) -> (state, metrics).
 
-        metrics: loss, grad_norm, lr (and with the spike guard: skipped, streak), each [K]; state_finite,
-        bool[]: every parameter and optimizer moment is finite after the call (a state that is not must never
-        be saved).
+        metrics: loss, grad_norm, lr, skipped and streak (the spike guard's), each [K]; state_finite, bool[]: every
+        parameter and optimizer moment is finite after the call (a state that is not must never be saved).
 
         Step i runs only where active[i]: a call that must end early (at an evaluation, a checkpoint or the
         last step) skips its tail instead of needing a second executable for fewer steps. Inactive steps leave
@@ -158,39 +160,23 @@ class TrainProgram:
 
     def _train_step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
         """One optimizer step on a [B, T+1] batch, accumulating gradients over `grad_accum` micro-batches."""
-        params, step = state["params"], state["step"]
+        params, step, opt_state = state["params"], state["step"], state["opt_state"]
         dropout_key = jax.random.fold_in(state["rng"], step) if self.config.model.dropout > 0 else None
         loss, grads = self._grads(params, batch, dropout_key)
         grads = self._gradient_hook(grads, step)
         with jax.named_scope("optimizer"):
-            updates, opt_state = self.tx.update(grads, state["opt_state"], params)
+            updates, new_opt_state = self.tx.update(grads, opt_state, params, loss=loss)
             params = optax.apply_updates(params, updates)
-        grad_norm = optax.tree.norm(grads)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(step)}
-        new = {**state, "params": params, "opt_state": opt_state, "step": step + 1}
-        if self.guarded:  # skipped updates did not advance the optimizer's own step count, nor its schedule
-            metrics["lr"] = self.schedule(step - state["guard"]["skipped"])
-            new, guard_metrics = self._guard(state, new, loss, grad_norm)
-            metrics.update(guard_metrics)
+        guard = step_report(opt_state, new_opt_state)
+        # the schedule moves with applied updates only: skipped steps did not advance the optimizer's own count
+        lr = self.schedule(step - opt_state.stats["skipped"])
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr, **guard}
+        new = {**state, "params": params, "opt_state": new_opt_state, "step": step + 1}
         return new, {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-
-    def _guard(self, old: TrainState, new: TrainState, loss, grad_norm) -> tuple[TrainState, dict]:
-        """The spike guard's verdict on a step: `new`, or `old` with only the step counter and the statistics
-        moved when the step is an outlier or not finite."""
-        cfg, stats = self.config.guard, old["guard"]
-        with jax.named_scope("spike_guard"):
-            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite((new["params"], new["opt_state"]))
-            skip = ~finite | is_outlier(cfg, stats, loss, grad_norm)
-            kept = jax.tree.map(lambda a, b: jnp.where(skip, a, b), (old["params"], old["opt_state"]),
-                                (new["params"], new["opt_state"]))
-            stats = update_stats(cfg, stats, loss, grad_norm, skip)
-        state = {**new, "params": kept[0], "opt_state": kept[1], "guard": stats}
-        return state, {"skipped": skip, "streak": stats["streak"]}
 
     def _inactive_step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
         zero = jnp.zeros((), jnp.float32)
-        names = ("loss", "grad_norm", "lr") + (("skipped", "streak") if self.guarded else ())
-        return state, {k: zero for k in names}
+        return state, {k: zero for k in ("loss", "grad_norm", "lr", "skipped", "streak")}
 
     def _gradient_hook(self, grads, step: jax.Array):
         """The identity. Tests replace it to plant a fault (a NaN gradient at a known step) in the real call."""

@@ -12,11 +12,10 @@ from data.loader import Corpus, to_global
 from trainer.program.train_program import TrainProgram
 from trainer.storage.checkpoints import Checkpoints
 from trainer.storage.run_dir import RunDir
-from trainer.telemetry.metrics import MetricsLogger
 from trainer.telemetry.timeline import Timeline
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RunContext:
     """One run's program, files and data: built by trainer/run/driver.py, passed to everything that runs it."""
 
@@ -26,9 +25,7 @@ class RunContext:
     ckpt: Checkpoints
     corpus: Corpus
     train_iter: object  # Grain iterator of [B_local, T+1] batches
-    logger: MetricsLogger | None = None
-    meta: dict = dataclasses.field(default_factory=dict)  # saved with every checkpoint
-    timeline: Timeline = dataclasses.field(default_factory=Timeline)  # where the time goes
+    timeline: Timeline  # where the time goes (events.jsonl)
 
     def next_batches(self, n: int) -> tuple[jax.Array, np.ndarray]:
         """The next n batches as one global [K, B, T+1] array (zero-padded to K) and the [K] active mask."""

@@ -18,16 +18,16 @@ from data.loader import make_dataset
 from errors import UserError
 from gpt2.config import check_compute_dtype
 from gpt2.sharded_init import param_report, visualize_param
-from trainer.corpus import resolve_corpus, train_loader_config
+from trainer.corpus import EMBEDDED, resolve_corpus, train_loader_config
 from trainer.eval.sampling import prompt_that_fits, sample
 from trainer.eval.tasks import check_tasks
 from trainer.processes import failing_together, initialize_distributed, is_process_0, on_process_0, say
 from trainer.program.mesh import build_mesh
 from trainer.program.optimizer import parameters_per_optimizer
-from trainer.program.train_program import TrainProgram
+from trainer.program.train_program import STATE_FORMAT, TrainProgram
 from trainer.run.context import RunContext
 from trainer.run.data_position import corpus_identity
-from trainer.run.loop import TrainingLoop
+from trainer.run.loop import run_to_stop
 from trainer.run.preemption import Preemption
 from trainer.run.resume import Restored, restore
 from trainer.storage.checkpoints import Checkpoints
@@ -46,7 +46,8 @@ def train(cfg: Config) -> int:
     check_eval_tasks(cfg)
     initialize_distributed(cfg.distributed)
     joined = time.time()
-    with failing_together():  # from here on, one process's error ends every process of the job
+    with failing_together(cfg.distributed.startup_timeout_seconds):  # from here on, one process's error ends
+        # every process of the job, and the start-up is bounded
         return _build_and_run(cfg, entered, joined)
 
 
@@ -65,7 +66,7 @@ def _build_and_run(cfg: Config, entered: float, joined: float) -> int:
         ckpt = Checkpoints(run_dir.path, cfg.checkpoint, save_statistics=OrbaxSaveTimes(timeline))
         run = RunContext(cfg, program, run_dir, ckpt, corpus,
                           iter(make_dataset(corpus.files("train"), cfg.model.vocab_size, train_loader_config(cfg))),
-                          timeline=timeline)
+                          timeline)
         timeline.interval("startup", joined)
         with jax.set_mesh(mesh), library_logs_to(run_dir / "logs"):
             _run(run)
@@ -88,38 +89,36 @@ def _run(run: RunContext) -> None:
         run.timeline.end("finished")
         return
     wandb_mode = restored.meta.get("wandb_mode") or resolve_wandb_mode(run.cfg.log.wandb)
-    start_up(run, restored, wandb_mode)
+    logger, meta = start_up(run, restored, wandb_mode)
     try:
         with Preemption() as preemption:
             run.timeline.commit()  # the run goes ahead: this attempt's record goes to events.jsonl
-            loop = TrainingLoop(run, restored.state, preemption)
-            run.timeline.since_mark("startup")  # wandb, the summary, the config, the loop's evaluation and peak
-            state = loop.run_to_stop()
+            state = run_to_stop(run, restored.state, preemption, logger, meta)
         finished = int(state["step"]) >= run.cfg.train.steps
         if finished and run.cfg.train.sample_tokens:
             with run.timeline.measure("sample"):
                 say(sample_text(run.cfg, run.program, state))  # every process: the parameters may span them all
-        run.logger.plot()
+        logger.plot()
         run.timeline.since_mark("finish")  # since the loop's last save, or the sample: the plot, the loop's exit
         run.timeline.end("preempted" if preemption.signal_name else "finished" if finished else "stopped")
-        report_goodput(run)
+        report_goodput(run, logger)
     except BaseException:
-        run.logger.close(quietly=True)  # the error being raised is the one to report
+        logger.close(quietly=True)  # the error being raised is the one to report
         raise
-    run.logger.close()
+    logger.close()
     done = outputs(run, wandb_mode)
     run.ckpt.close()
     say(done)
 
 
-def report_goodput(run: RunContext) -> None:
+def report_goodput(run: RunContext, logger: MetricsLogger) -> None:
     """Where the run's time went, over all its attempts so far: on the console and in wandb's summary."""
     if not is_process_0():
         return
     result = goodput.report(run.run_dir.read_events())
     print(result.text())
-    if run.logger.wandb is not None:
-        run.logger.wandb.summary.update(result.summary())
+    if logger.wandb is not None:
+        logger.wandb.summary.update(result.summary())
 
 
 def nothing_to_do(run: RunContext, restored: Restored) -> bool:
@@ -130,8 +129,8 @@ def nothing_to_do(run: RunContext, restored: Restored) -> bool:
     return restored.finished or past_stop
 
 
-def start_up(run: RunContext, restored: Restored, wandb_mode: str) -> None:
-    """The config record, the start-up summary, the metrics logger and the metadata every checkpoint keeps."""
+def start_up(run: RunContext, restored: Restored, wandb_mode: str) -> tuple[MetricsLogger, dict]:
+    """The config record and the start-up summary; (the metrics logger, the metadata every checkpoint keeps)."""
     cfg, saved, start = run.cfg, restored.meta, restored.step
     config = dataclasses.asdict(cfg)
     if is_process_0():
@@ -143,11 +142,12 @@ def start_up(run: RunContext, restored: Restored, wandb_mode: str) -> None:
             print(param_report(run.program.model(restored.state["params"]), run.program.mesh))
         if cfg.log.show_sharding:
             visualize_param(run.program.model(restored.state["params"]), cfg.log.show_sharding)
-    run.logger = MetricsLogger(cfg, run.run_dir, wandb_id=saved.get("wandb_id"), wandb_mode=wandb_mode,
-                               start_step=start, rollbacks=saved.get("rollbacks", 0))
-    run.ckpt.before_save(run.logger.sync)  # a checkpoint's records are durable before it can exist
-    run.meta = {"config": config, "wandb_id": run.logger.wandb_id, "wandb_mode": wandb_mode,
-                "corpus": corpus_identity(run.corpus), "rollbacks": saved.get("rollbacks", 0)}
+    logger = MetricsLogger(cfg, run.run_dir, wandb_id=saved.get("wandb_id"), wandb_mode=wandb_mode,
+                           start_step=start, rollbacks=saved.get("rollbacks", 0))
+    run.ckpt.before_save(logger.sync)  # a checkpoint's records are durable before it can exist
+    return logger, {"config": config, "wandb_id": logger.wandb_id, "wandb_mode": wandb_mode,
+                    "corpus": corpus_identity(run.corpus), "rollbacks": saved.get("rollbacks", 0),
+                    "state_format": STATE_FORMAT}
 
 
 def summary(run: RunContext, start: int, wandb_mode: str) -> str:
@@ -220,9 +220,10 @@ def check_eval_tasks(cfg: Config) -> None:
 
 
 def sample_prompt(cfg: Config) -> list[int]:
-    context = cfg.model.block_size
-    return prompt_that_fits(cfg.train.sample_prompt, context, prompt_flag="train.sample_prompt",
-                            context=f"model.block_size={context}")
+    context, prompt = cfg.model.block_size, cfg.train.sample_prompt
+    if prompt is None:  # "" starts from <|endoftext|>
+        prompt = "ROMEO:" if cfg.data.dataset == EMBEDDED else ""
+    return prompt_that_fits(prompt, context, prompt_flag="train.sample_prompt", context=f"model.block_size={context}")
 
 
 def sample_text(cfg: Config, program: TrainProgram, state) -> str:

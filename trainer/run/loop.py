@@ -1,4 +1,7 @@
-"""The training loop: the host's side of training, from a restored state to the stop step.
+"""The training loop: the host's side of training, from a restored state to the stop step. It dispatches train
+calls, finishes them (reads their metrics, checks them) and rolls back a bad one; everything else it does — metrics,
+the progress bar, the goodput record, the profiler, the stall watchdog, evaluations — hangs off its named points as
+observers (trainer/run/observers.py).
 
 JAX dispatches asynchronously, so the host reads and transfers call n+1's batches and dispatches it while call n
 runs, then reads call n's metrics (logged one call late). At an evaluation, a checkpoint, the stop step or a
@@ -8,24 +11,22 @@ waits after every call.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 
 import jax
-import numpy as np
-from tqdm.auto import tqdm
 
 from configs.base import Config
-from trainer.corpus import val_dataset
 from trainer.hardware import peak_flops_per_device
 from trainer.run.context import RunContext
 from trainer.run.data_position import rows_consumed_or_none
+from trainer.run.observers import (CallTimes, EvalTasks, FinishedCall, Observer, Progress, StallWatch, StartUp,
+                                   Tracing, Validation)
 from trainer.run.preemption import Preemption
 from trainer.run.rollback import health, roll_back
 from trainer.run.watchdog import Watchdog
 from trainer.storage.checkpoints import finishing_saves, save_errors
-from trainer.storage.run_dir import merge_eval_results
+from trainer.telemetry.metrics import MetricsLogger
 from trainer.telemetry.profiler import Profile
 
 
@@ -53,31 +54,20 @@ class DispatchedCall:
 
 class TrainingLoop:
     """Runs the train call from `state` to the run's stop step, with its evaluations, checkpoints, faults and
-    preemption."""
+    preemption; `observers` are called at its points, in order. `meta` is what every checkpoint keeps besides the
+    state (the config, the wandb run, the rollbacks taken)."""
 
-    def __init__(self, run: RunContext, state, preemption: Preemption):
+    def __init__(self, run: RunContext, state, preemption: Preemption, observers: list[Observer], meta: dict):
         self.run, self.cfg, self.state, self.preemption = run, run.cfg, state, preemption
+        self.observers, self.meta = observers, meta
         t = run.cfg.train
         self.step = self.first = int(state["step"])  # the step the state reaches when the dispatched calls end
         self.stop = min(t.steps, t.stop_after or t.steps)
-        self.peak = peak_flops_per_device(t.peak_flops) * jax.device_count()
-        self.bar = tqdm(total=t.steps, initial=self.step, unit="step", dynamic_ncols=True,
-                        disable=not (run.cfg.log.progress and run.logger.active))
-        self.calls, self.last_ready, self.last_done = 0, 0.0, 0.0
-        self.evaluate = make_evaluator(run)
-        self.watchdog = watchdog_for(run)
+        self.calls, self.last_ready = 0, 0.0
 
-    def run_to_stop(self):
-        profile = Profile(self.cfg.log, self.run.run_dir / "profile", self.run.timeline)
-        with finishing_saves(self.run.ckpt), profile as self.profile:
-            with self.watchdog:
-                self.run_calls()
-            self.bar.close()
-            with save_errors(self.run.ckpt), self.run.timeline.measure("checkpoint"):
-                self.run.ckpt.wait()
-        if self.preemption.signal_name and self.run.logger.active:
-            print(f"stopped by {self.preemption.signal_name} at step {self.step}; checkpoint saved, restart to resume")
-        return self.state
+    def notify(self, point: str, *args) -> None:
+        for observer in self.observers:
+            getattr(observer, point)(*args)
 
     def run_calls(self) -> None:
         """Dispatches train calls until the stop step (or a preemption), each one before the previous one's
@@ -86,7 +76,7 @@ class TrainingLoop:
         while self.step < self.stop:
             n = steps_this_call(self.step, self.stop, self.cfg)
             batches, active = self.next_batches(n, waiting=pending is None)
-            self.profile.before_call(self.step, n)
+            self.notify("call_dispatched", self.step, n)
             accounted_from = self.run.timeline.mark  # the first call compiles: the timeline carves that out
             self.state, metrics = call(self.state, batches, active)
             dispatched = DispatchedCall(self.step, n, metrics, batches, time.perf_counter(), accounted_from)
@@ -100,7 +90,6 @@ class TrainingLoop:
                 pending = None
                 if self.finish(dispatched, probe=saving):
                     self.checkpoint_and_evaluate(saving)
-                    self.watchdog.beat()
                     if done:
                         break
 
@@ -125,53 +114,62 @@ class TrainingLoop:
         return bool(t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps
 
     def finish(self, c: DispatchedCall, *, probe: bool = False) -> bool:
-        """Reads a call's metrics, checks them and logs them; False when the run rolled back instead."""
-        metrics = {k: v[: c.n] if np.ndim(v) else v for k, v in jax.device_get(c.metrics).items()}  # waits
+        """Reads a call's metrics and checks them; False when the run rolled back instead."""
+        metrics = {k: v[: c.n] if v.ndim else v for k, v in jax.device_get(c.metrics).items()}  # waits
         ready = time.perf_counter()
-        elapsed, self.last_ready = ready - max(c.dispatched, self.last_ready), ready
-        skipped = int(np.sum(metrics["skipped"])) if self.run.program.guarded else 0
+        # the call that compiled: its first execution also loads the program onto the devices, host work that
+        # returns late and so shortens its time (on a GPU it read as 155 % MFU): its time is not known
+        elapsed = None if c.step == self.first else ready - max(c.dispatched, self.last_ready)
+        self.last_ready = ready
         checked = time.time()
         problem = health(self.run, self.state, metrics, c.step, c.batches[c.n - 1] if probe else None)
         probed = (checked, time.time()) if probe else None  # the pre-save probe (a forward pass): checkpoint work
-        if problem is not None:
-            self.record_call(c, skipped, probed)  # computed, and lost with the rollback
-            self.state = None  # the abandoned calls' state: free it before a checkpoint's is restored beside it
-            with self.run.timeline.measure("rollback"):
-                self.state, self.step = roll_back(self.run, problem, self.step)
-            self.run.timeline.rolled_back(self.step)
-            restart_bar(self.bar, self.step)
-            self.last_ready = self.last_done = 0.0
-            self.watchdog.beat()
-            return False
-        # the call that compiled: its first execution also loads the program onto the devices, host work that
-        # returns late and so shortens `elapsed` (on a GPU it read as 155 % MFU): its speed is not reported
-        reached = log_call(self.run, self.bar, c.step, metrics, None if c.step == self.first else elapsed, self.peak)
-        self.record_call(c, skipped, probed)
-        self.profile.after_call(reached)
-        if c.step == self.first:  # the first call compiled: the ETA counts from the calls after it
-            restart_bar(self.bar, reached)
-        self.watchdog.beat(None if c.step == self.first else elapsed)  # a compile is no call time
-        return True
-
-    def record_call(self, c: DispatchedCall, skipped: int, probed: tuple[float, float] | None) -> None:
-        """The call's time on the goodput timeline: from the timeline's latest record before its dispatch (or
-        the end of the previous call's bookkeeping, if later) to now, less the pre-save probe (checkpoint
-        work). The loop's host work between records (logging, the progress bar) is part of a step."""
-        start = max(c.accounted_from, self.last_done)
-        self.last_done = self.run.timeline.train_call(c.step, c.n, start, skipped, excluded=probed)
-        if probed is not None:
-            self.run.timeline.interval("checkpoint", *probed)
+        finished = FinishedCall(c.step, metrics, elapsed, c.accounted_from, probed)
+        if problem is None:
+            self.notify("call_finished", finished)
+            return True
+        self.notify("call_lost", finished)  # computed, and lost with the rollback
+        self.state = None  # the abandoned calls' state: free it before a checkpoint's is restored beside it
+        with self.run.timeline.measure("rollback"):
+            self.state, self.step, record = roll_back(self.run, problem, self.step, self.meta["rollbacks"])
+        self.meta["rollbacks"] = record["rollback"]
+        self.last_ready = 0.0
+        self.notify("rolled_back", self.step, record)
+        return False
 
     def checkpoint_and_evaluate(self, saving: bool) -> None:
         run = self.run
         if self.at_eval():
-            unbounded = self.watchdog.paused() if run.cfg.train.eval_tasks else contextlib.nullcontext()
-            with run.timeline.measure("eval", step=self.step), unbounded:
-                self.evaluate(self.state["params"], self.step, self.bar)
+            with run.timeline.measure("eval", step=self.step):
+                self.notify("evaluation", self.state["params"], self.step)
         if saving:
             with save_errors(run.ckpt):
-                run.ckpt.save(self.step, self.state, run.train_iter,
-                              {**run.meta, "data_rows": rows_consumed_or_none(run.train_iter, run.cfg.train.batch_size)})
+                rows = rows_consumed_or_none(run.train_iter, run.cfg.train.batch_size)
+                run.ckpt.save(self.step, self.state, run.train_iter, {**self.meta, "data_rows": rows})
+            self.notify("checkpoint_saved", self.step)
+
+
+def run_to_stop(run: RunContext, state, preemption: Preemption, logger: MetricsLogger, meta: dict):
+    """The loop with its observers, from `state` to the stop step; the state it ends with, its saves finished."""
+    cfg = run.cfg
+    peak = peak_flops_per_device(cfg.train.peak_flops) * jax.device_count()
+    progress = Progress(run, logger, peak, int(state["step"]))
+    watchdog = watchdog_for(run)
+    profile = Profile(cfg.log, run.run_dir / "profile", run.timeline)
+    evaluations = [Validation(run, logger, progress)] + ([EvalTasks(run, logger, progress, watchdog)]
+                                                         if cfg.train.eval_tasks else [])
+    # in this order at every point: the watchdog last, so that it beats after the others' work
+    observers = [StartUp(), progress, CallTimes(run), Tracing(profile), *evaluations, StallWatch(watchdog)]
+    loop = TrainingLoop(run, state, preemption, observers, meta)
+    with finishing_saves(run.ckpt), profile:
+        with watchdog:
+            loop.run_calls()
+        progress.close()
+        with save_errors(run.ckpt), run.timeline.measure("checkpoint"):
+            run.ckpt.wait()
+    if preemption.signal_name and logger.active:
+        print(f"stopped by {preemption.signal_name} at step {loop.step}; checkpoint saved, restart to resume")
+    return loop.state
 
 
 def watchdog_for(run: RunContext) -> Watchdog:
@@ -183,82 +181,3 @@ def watchdog_for(run: RunContext) -> Watchdog:
     return Watchdog(run.run_dir.local / "logs" / f"stacks.{jax.process_index()}.txt",
                     timeout=d.stall_timeout_seconds, floor=floor, process=jax.process_index(),
                     processes=jax.process_count())
-
-
-def restart_bar(bar, step: int) -> None:
-    """The progress bar at `step`, its rate and ETA measured from now on."""
-    bar.reset(total=bar.total)
-    bar.initial = bar.n = bar.last_print_n = step
-
-
-def log_call(run: RunContext, bar, step: int, metrics: dict, elapsed: float | None, peak: float) -> int:
-    """Logs a call's steps (metrics.jsonl, wandb, the bar); returns the step reached. Speed is None for a call
-    whose time is not known (`elapsed` None)."""
-    t, n = run.cfg.train, len(metrics["loss"])
-    tokens_per_s = mfu = None
-    if elapsed is not None:
-        tokens_per_s = n * t.batch_size * t.seq_len / elapsed
-        mfu = tokens_per_s * run.cfg.model.flops_per_token(t.seq_len) / peak
-    for i in range(n):
-        step += 1
-        record = {
-            "step": step, "loss": number(metrics["loss"][i]), "lr": float(metrics["lr"][i]),
-            "grad_norm": number(metrics["grad_norm"][i]), "tokens": step * t.batch_size * t.seq_len,
-            "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_flops": peak,
-        }
-        if run.program.guarded:
-            record["skipped"] = int(metrics["skipped"][i])
-            if record["skipped"] and run.logger.active:
-                bar.write(f"step {step}: update skipped by the spike guard (loss {record['loss']}, grad_norm"
-                          f" {record['grad_norm']})")
-                if int(metrics["streak"][i]) == run.cfg.guard.warmup:
-                    bar.write(f"step {step}: {run.cfg.guard.warmup} steps in a row skipped (guard.warmup): the loss"
-                              " or gradient norm moved to a new level; the spike guard restarts its statistics")
-        run.logger.log(record)
-    bar.update(n)
-    speed = {} if elapsed is None else {"tok_s": f"{tokens_per_s:,.0f}", "mfu": f"{mfu:.1%}"}
-    bar.set_postfix(loss=f"{metrics['loss'][-1]:.3f}", **speed)
-    return step
-
-
-def number(x) -> float | None:
-    """A metric for JSON: None for a non-finite value (a step the spike guard skipped)."""
-    return float(x) if np.isfinite(x) else None
-
-
-def make_evaluator(run: RunContext):
-    """The loop's periodic evaluation: validation loss on the same batches every time, logged and plotted."""
-    cfg, evaluator = run.cfg, run.program.evaluator
-    val = val_dataset(run.corpus, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
-                      batch_size=cfg.train.batch_size, prefetch=cfg.data.prefetch)
-
-    def evaluate(params, step, bar) -> float:
-        val_loss, _ = evaluator.mean_loss(params, val, cfg.train.eval_batches)
-        run.logger.log({"step": step, "val_loss": val_loss})
-        run.logger.plot()
-        if run.logger.active:
-            bar.write(f"step {step}: val_loss {val_loss:.4f}")
-        if cfg.train.eval_tasks:
-            benchmarks(run, params, step, bar)
-        return val_loss
-
-    return evaluate
-
-
-def benchmarks(run: RunContext, params, step: int, bar) -> None:
-    """train.eval_tasks at an evaluation: lm-eval through the same scorer as eval.py --tasks (one compile per
-    padded shape for the whole run), into metrics.jsonl and wandb as eval/<task>/<metric>, and eval.json."""
-    from trainer.eval.harness import evaluate_tasks  # lm-eval: the optional `eval` extra (checked at start-up)
-
-    t, started = run.cfg.train, time.perf_counter()
-    record = evaluate_tasks(run.program.evaluator, params, tasks=t.eval_tasks, include_path=t.include_path,
-                            limit=t.eval_limit, batch_size=t.batch_size // t.grad_accum,
-                            max_length=run.cfg.model.block_size, table=False, step=step)
-    figures = {f"eval/{task}/{name}": value for task, metrics in record["lm_eval"].items()
-               for name, value in metrics.items()}
-    run.logger.log({"step": step, **figures})
-    if run.logger.active:
-        merge_eval_results(run.run_dir / "eval.json", [record])
-        shown = "  ".join(f"{key.removeprefix('eval/')} {value:.4g}" for key, value in figures.items()
-                          if not key.endswith("_stderr"))
-        bar.write(f"step {step}: {shown}  ({time.perf_counter() - started:.1f} s)")

@@ -46,18 +46,27 @@ def restore(run: RunContext) -> Restored:
         return Restored(0, program.init_state(init_from.load_params(cfg, program.layout)))
     step, saved, state = found
     if state is None:
-        say(f"{run.run_dir.path}: already finished at step {step}; train.steps={cfg.train.steps}"
-            " (raise train.steps to continue it; see docs/training.md)")
+        say(f"{run.run_dir.path}: already finished at step {step}; train.steps={cfg.train.steps}."
+            f" {extension_hint(saved, step)}")
         return Restored(step, finished=True)
     say(f"resumed from {run.ckpt.path(step)}")
     return Restored(step, state, saved)
 
 
+def extension_hint(saved: dict, step: int) -> str:
+    """How to extend a run that finished at `step`: more steps, on the same learning-rate schedule (which
+    `check_same_schedule` requires): with optim.decay_steps unset the cosine ended at train.steps, so it is fixed
+    there and the rate stays at its final value."""
+    if saved.get("config", {}).get("optim", {}).get("decay_steps"):
+        return "To continue it: --train.steps=MORE (docs/training.md)"
+    return (f"To continue it: --train.steps=MORE --optim.decay_steps={step} (the learning rate stays at its final"
+            " value; --train.reschedule=True instead for a new cosine; docs/training.md)")
+
+
 def restore_state(run: RunContext, step: int, saved: dict) -> dict:
-    """The checkpoint's train state, fitted to this run's guard."""
-    guarded = saved["config"].get("guard", {}).get("skip_spikes", False)
-    state = run.ckpt.restore(step, run.program.abstract_state(guard=guarded))
-    return run.program.with_guard_stats(state)
+    """The checkpoint's train state (from any release of this trainer: see TrainProgram.restore_target)."""
+    target, upgrade = run.program.restore_target(saved)
+    return upgrade(run.ckpt.restore(step, target))
 
 
 def check_same_schedule(saved: dict, config: Config, where) -> None:

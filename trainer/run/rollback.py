@@ -31,9 +31,9 @@ def health(run: RunContext, state, metrics: dict, step: int, probe_batch) -> str
     next forward pass). With the spike guard a non-finite step is skipped, not fatal, and a streak of skipped
     steps asks for a rollback.
     """
-    guarded = run.program.guarded
-    bad = ~(np.isfinite(metrics["loss"]) & np.isfinite(metrics["grad_norm"]))
-    if bad.any() and not guarded:
+    # a non-finite step the spike guard did not skip (with the guard off, it skips none)
+    bad = ~(np.isfinite(metrics["loss"]) & np.isfinite(metrics["grad_norm"])) & (metrics["skipped"] == 0)
+    if bad.any():
         i = int(np.argmax(bad))
         return (f"training diverged at step {step + i + 1} (loss {metrics['loss'][i]}, grad_norm"
                 f" {metrics['grad_norm'][i]})")
@@ -41,7 +41,7 @@ def health(run: RunContext, state, metrics: dict, step: int, probe_batch) -> str
     if not metrics["state_finite"]:
         return f"training diverged: the parameters or optimizer moments are not finite after step {step + n}"
     g = run.cfg.guard
-    if guarded and g.rollback_after is not None and (metrics["streak"] >= g.rollback_after).any():
+    if g.rollback_after is not None and (metrics["streak"] >= g.rollback_after).any():
         at = step + int(np.argmax(metrics["streak"] >= g.rollback_after)) + 1
         return f"the spike guard skipped {g.rollback_after} steps in a row (steps {at - g.rollback_after + 1}-{at})"
     if probe_batch is not None and not np.isfinite(float(run.program.evaluator.loss_call(state["params"],
@@ -50,10 +50,11 @@ def health(run: RunContext, state, metrics: dict, step: int, probe_batch) -> str
     return None
 
 
-def roll_back(run: RunContext, problem: str, abandoned_to: int) -> tuple[dict, int]:
+def roll_back(run: RunContext, problem: str, abandoned_to: int, rollbacks: int) -> tuple[dict, int, dict]:
     """Restores the newest checkpoint and moves the data `guard.rollback_skip` batches past the batches the
     abandoned steps (up to abandoned_to, the calls already dispatched) read: the iterator is already past them.
-    Without a rollback to take, stops the run."""
+    Returns (the state, its step, the rollback's record for metrics.jsonl); without a rollback to take (`rollbacks`
+    taken so far), stops the run."""
     g = run.cfg.guard
     with save_errors(run.ckpt):
         run.ckpt.wait()  # the newest checkpoint may still be in flight
@@ -61,7 +62,7 @@ def roll_back(run: RunContext, problem: str, abandoned_to: int) -> tuple[dict, i
     where = f"last good checkpoint: {run.ckpt.path(steps[-1])}" if steps else "no checkpoint yet"
     if g.rollback_after is None:
         raise Diverged(f"{problem}; {where}")
-    if not steps or run.meta["rollbacks"] >= g.max_rollbacks:
+    if not steps or rollbacks >= g.max_rollbacks:
         why = "no checkpoint to roll back to" if not steps else f"guard.max_rollbacks={g.max_rollbacks} reached"
         raise Diverged(f"{problem}; {why}; {where}")
     # the newest checkpoint that restores (a damaged one is moved aside, as at start-up)
@@ -69,15 +70,10 @@ def roll_back(run: RunContext, problem: str, abandoned_to: int) -> tuple[dict, i
     if found is None:
         raise Diverged(f"{problem}; no checkpoint to roll back to")
     back, _, state = found
-    if run.program.guarded:
-        state["guard"] = without_streak(state["guard"])
+    state["opt_state"] = without_streak(state["opt_state"])
     for _ in range(g.rollback_skip):
         next(run.train_iter)
-    # metrics.jsonl keeps the trajectory the parameters took (as after a resume), and a record of the rollback
-    run.logger.rewind(back, run.meta["rollbacks"])
-    run.meta["rollbacks"] += 1
-    run.logger.log({"step": back, "rollback": run.meta["rollbacks"], "reason": problem,
-                    "abandoned": [back + 1, abandoned_to], "data_skipped": g.rollback_skip})
-    say(f"{problem}; rolled back to {run.ckpt.path(back)} (rollback {run.meta['rollbacks']} of"
-        f" {g.max_rollbacks}), the data continues {g.rollback_skip} batches past the abandoned steps' batches")
-    return state, back
+    say(f"{problem}; rolled back to {run.ckpt.path(back)} (rollback {rollbacks + 1} of {g.max_rollbacks}), the data"
+        f" continues {g.rollback_skip} batches past the abandoned steps' batches")
+    return state, back, {"step": back, "rollback": rollbacks + 1, "reason": problem,
+                         "abandoned": [back + 1, abandoned_to], "data_skipped": g.rollback_skip}

@@ -18,7 +18,8 @@ from trainer.telemetry.timeline import INTERVALS
 
 @dataclasses.dataclass
 class Report:
-    wall: float = 0.0  # first attempt's start to the last record, seconds
+    wall: float = 0.0  # first attempt's start to the last record, less `idle`, seconds
+    idle: float = 0.0  # between a finished attempt and the next (an extension of the run): not the run's time
     attempts: list[dict] = dataclasses.field(default_factory=list)  # how each ended
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # by category
     good_steps: int = 0
@@ -46,6 +47,8 @@ class Report:
                 lines.append(f"  {name:<17}{_duration(value):>10}  {value / self.wall:6.1%}")
         lines.append(f"  {'unaccounted':<17}{_duration(self.unaccounted):>10}  {self.unaccounted / self.wall:6.1%}"
                      "  (host work between the recorded intervals)")
+        if self.idle:
+            lines.append(f"  not counted: {_duration(self.idle)} idle between a finished attempt and its extension")
         programs = sum(sum(c.get("programs", {}).values()) for c in self.compiles)
         hits = sum(sum(c.get("cache_hits", {}).values()) for c in self.compiles)
         if programs:
@@ -54,7 +57,7 @@ class Report:
 
     def summary(self) -> dict[str, float]:
         """Flat figures for wandb's run summary."""
-        figures = {"goodput/goodput": self.goodput, "goodput/wall_s": self.wall,
+        figures = {"goodput/goodput": self.goodput, "goodput/wall_s": self.wall, "goodput/idle_s": self.idle,
                    "goodput/lost_steps": self.lost_steps, "goodput/attempts": len(self.attempts),
                    "goodput/relaunches": self.relaunches}
         figures.update({f"goodput/{name}_s": value for name, value in self.seconds.items()})
@@ -75,13 +78,19 @@ def report(records: list[dict]) -> Report:
     if not starts:
         return out
     compiles = [r for r in records if r["event"] == "interval" and r["kind"] == "compile"]
-    last_end = starts[0]["time"]
+    last_end, finished = starts[0]["time"], False
     for r in records:
         if r["event"] == "relaunch":  # the launcher's note: the restart gap runs on to the next attempt's start
             out.relaunches += 1
             continue
         if r["event"] == "attempt_start" and r["attempt"] > 1:
-            seconds["restart_gap"] += max(0.0, r["time"] - last_end)
+            gap = max(0.0, r["time"] - last_end)
+            if finished:  # the run had ended; starting it again later extends it, and nothing was lost meanwhile
+                out.idle += gap
+            else:
+                seconds["restart_gap"] += gap
+        elif r["event"] == "attempt_end":
+            finished = r["how"] == "finished"
         elif r["event"] in ("restored", "rolled_back"):
             out.lost_steps += _drop_after(live, r["step"], seconds)
         elif r["event"] == "train_call":  # the first call's dispatch compiles: that is compile time
@@ -98,7 +107,7 @@ def report(records: list[dict]) -> Report:
         out.good_steps += call["steps"] - call["skipped"]
         out.skipped_steps += call["skipped"]
     seconds["compile"] = _union(compiles)
-    out.wall = last_end - starts[0]["time"]
+    out.wall = last_end - starts[0]["time"] - out.idle
     out.seconds = seconds
     out.compiles = compiles
     out.attempts = _attempts(records)
