@@ -18,8 +18,11 @@ $(BASE): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e .
 	touch $@
 
+# mup (tests/test_mup.py's reference μP) without its dependencies: it asks for torchvision, whose build for torch
+# 2.13 breaks transformers' import ("operator torchvision::nms does not exist"); it needs none beyond pandas
 $(DEV): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps mup==1.0.0
 	touch $@ $(BASE)
 
 train: $(BASE)
