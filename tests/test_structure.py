@@ -113,8 +113,9 @@ def bounded_fields() -> set[str]:
     from configs.fields import Field
     from configs.plan import PlanConfig
     from data.prepare.config import PrepareConfig
+    from tools.export_hf import ExportConfig
 
-    names, todo = set(), [Config, EvalConfig, PlanConfig, PrepareConfig]
+    names, todo = set(), [Config, EvalConfig, PlanConfig, PrepareConfig, ExportConfig]
     while todo:
         cls = todo.pop()
         for name, hint in typing.get_type_hints(cls, include_extras=True).items():
@@ -160,12 +161,13 @@ def test_the_range_check_finder_finds_one():
 
 def test_no_config_docstring_restates_a_fields_meaning():
     """The meaning of a field lives in its Field; a class docstring's `Attributes:` list would be a second copy."""
+    import dataclasses
+
     from configs.base import Config
     from configs.eval import EvalConfig
     from data.prepare.config import PrepareConfig
+    from tools.export_hf import ExportConfig
 
-    import dataclasses
-
-    classes = [EvalConfig, PrepareConfig, Config] + [type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)
+    classes = [EvalConfig, PrepareConfig, ExportConfig, Config] + [type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)
                                                       if dataclasses.is_dataclass(getattr(Config(), f.name))]
     assert not [c.__name__ for c in classes if "Attributes:" in (c.__doc__ or "")]

@@ -15,17 +15,19 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import jax
 
 from configs.base import CheckpointConfig
 from configs.cli import parse
+from configs.fields import Checked, Field
 from data.tokenizer import VOCAB_SIZE, save_hf_tokenizer
 from errors import CheckpointError, ConfigError, one_line_errors
 from gpt2.hf import require_standard, to_hf
 from gpt2.sharding import ShardingRules
-from trainer.program.mesh import make_mesh
 from trainer.program.layout import ModelLayout
+from trainer.program.mesh import make_mesh
 from trainer.storage.checkpoints import Checkpoints, config_from_meta
 from trainer.storage.files import storage_errors
 from trainer.storage.run_dir import RunDir
@@ -33,18 +35,12 @@ from trainer.telemetry.library_logs import library_logs_to
 
 
 @dataclasses.dataclass(frozen=True)
-class ExportConfig:
-    """Export a checkpoint to Hugging Face format.
+class ExportConfig(Checked):
+    """Export a checkpoint to Hugging Face format."""
 
-    Attributes:
-      run_dir: a training run directory (with checkpoints/).
-      out: the directory to write (must not exist yet, or be empty).
-      step: the checkpoint to export (default: the latest).
-    """
-
-    run_dir: str
-    out: str
-    step: int | None = None
+    run_dir: Annotated[str, Field("a training run directory (with checkpoints/)")]
+    out: Annotated[str, Field("the directory to write (must not exist yet, or be empty)")]
+    step: Annotated[int | None, Field("the checkpoint to export (default: the latest)", ge=0)] = None
 
 
 @one_line_errors
