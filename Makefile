@@ -1,6 +1,6 @@
 # make train : create .venv if missing, install, train the default config (shakespeare_cpu)
 # make test  : create .venv if missing, install with dev extras, run the test suite
-# make test-fast : the in-process tiers only (unit, equivalence, CLI checks before any work): the edit loop
+# make test-fast : tests/unit only (in-process: exact numbers, equivalences, CLI checks before any work): the edit loop
 # Extra arguments: make train ARGS="--train.steps=100"   make test PYTEST_ARGS="-k data"
 
 VENV   := .venv
@@ -34,7 +34,7 @@ test: $(DEV)
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)"; fi; exit $$rc
 
 test-fast: $(DEV)
-	@JAX_PLATFORMS=cpu $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	@JAX_PLATFORMS=cpu $(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 bench: $(DEV)
 	$(PY) -m benchmarks.train_step $(ARGS)

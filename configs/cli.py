@@ -23,7 +23,7 @@ from errors import ConfigError, fail
 
 T = TypeVar("T")
 
-_BOX = re.compile(r"[│╭╮╰╯─]+")
+_BOX = re.compile(r"[│╭╮╰╯+|]+")
 
 
 def parse(cls: type[T], argv: list[str] | None, *, default: T | None = None, presets: bool = False, prog: str,
@@ -125,19 +125,21 @@ def boolean_flags(cls: type, prefix: str = "") -> set[str]:
 
 
 def _condense(text: str) -> str:
-    """The first paragraph of tyro's error box as one line."""
-    lines = []
+    """The message of tyro's error box as one line, without its title and the help text after it; "Error parsing
+    --flag: why" as "--flag: why". In a terminal the box is drawn (its title in the top border); without one, the
+    title is a line of its own above a rule of dashes."""
+    paragraphs, current = [], []
     for raw in text.splitlines():
-        if "╭" in raw or "╰" in raw:  # top border (carries the title) and bottom border
-            continue
-        line = _BOX.sub(" ", raw).strip()
-        if not line and lines:
-            continue
-        if re.fullmatch(r"[│\s]*─{3,}[─│\s]*", raw):
-            break  # tyro separates the message from help text with a rule
-        if line:
-            lines.append(line)
-    return " ".join(lines) or text.strip()
+        line = _BOX.sub(" ", raw).strip()  # without the box's sides
+        if re.search(r"[─-]{3,}", line):  # a border or a rule
+            paragraphs, current = paragraphs + [current] if current else paragraphs, []
+        elif line:
+            current.append(line)
+    paragraphs += [current] if current else []
+    if "╭" not in text and len(paragraphs) > 1:
+        paragraphs = paragraphs[1:]  # the title
+    message = " ".join(paragraphs[0]) if paragraphs else text.strip()
+    return re.sub(r"^Error parsing (--\S+): ", r"\1: ", message)
 
 
 def flag_names(cls: type, prefix: str = "") -> dict[str, list[str]]:

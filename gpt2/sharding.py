@@ -15,7 +15,7 @@ from typing import Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gpt2.config import ConfigError
 

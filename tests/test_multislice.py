@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import configs  # noqa: E402
 import plan as plan_app  # noqa: E402
 import train as train_app  # noqa: E402
-from conftest import ROOT, SMALL, last_line, run_main, step_losses  # noqa: E402
+from support.cli import ROOT, SMALL, last_line, run_main, step_losses  # noqa: E402
 from errors import ConfigError  # noqa: E402
 from planning.chips import CHIPS  # noqa: E402
 from planning import planner, step_time  # noqa: E402

@@ -11,7 +11,7 @@ import dataclasses  # noqa: E402
 import pytest  # noqa: E402
 
 import configs  # noqa: E402
-from conftest import run_cli  # noqa: E402
+from support.cli import run_cli  # noqa: E402
 from planning import planner  # noqa: E402
 from planning.planner import Outcome  # noqa: E402
 
@@ -127,7 +127,7 @@ def test_plan_end_to_end_through_plan_py():
 
 def test_a_bad_budget_is_one_line():
     import plan
-    from conftest import last_line, run_main
+    from support.cli import last_line, run_main
 
     code, _, err = run_main(plan.main, "--config", "gpt2_124m", "--topology", "v5e:2x4", "--search", "--budget", "0")
     assert code == 2

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-from conftest import ROOT, cli_env, run_cli
+from support.cli import ROOT, cli_env, run_cli
 from gpt2 import GPT2, GPT2Config, create_sharded_model
 from trainer.program.mesh import make_mesh
 from gpt2.config import ConfigError

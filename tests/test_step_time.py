@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from benchmarks import calibrate_step_time as calibrate  # noqa: E402
+from planning import calibrate  # noqa: E402
 from planning.chips import CHIPS  # noqa: E402
 from planning import (  # noqa: E402
     hlo,

@@ -1,7 +1,6 @@
-"""Goodput: the report's accounting on hand-written event records (lost steps, restart gaps, crashes inferred,
-compilations carved out of the intervals they fall in), and a restart that loads its train call from the
-persistent compilation cache. The real faults' figures are checked where the faults are made
-(tests/test_faults.py, tests/test_numerical_safety.py)."""
+"""Goodput: the report's accounting on hand-written event records (lost steps, restart gaps, idle time before an
+extension, crashes inferred, compilations carved out of the intervals they fall in). The real faults' figures are
+checked where the faults are made (tests/e2e/test_faults.py, test_numerical_safety.py)."""
 
 import json
 import subprocess
@@ -9,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, SMALL, read_jsonl, run_cli
+from support.cli import ROOT, read_jsonl
 from tools import goodput as goodput_cli
 from trainer.telemetry import goodput
 
@@ -111,22 +110,6 @@ def test_a_train_call_less_its_pre_save_probe_and_compilations_partitions_its_sp
     r = goodput.report(records)
     assert (r.seconds["train"], r.seconds["compile"], r.seconds["checkpoint"]) == (7.0, 2.0, 1.0)
     assert r.unaccounted == 0.0
-
-
-@pytest.mark.slow
-def test_a_restart_loads_its_train_call_from_the_runs_compilation_cache(tmp_path, shakespeare):
-    """The default: no JAX_COMPILATION_CACHE_DIR, so the cache is the run directory's compile_cache/."""
-    run_dir = tmp_path / "run"
-    flags = ["--run_dir", str(run_dir), f"--data.cache_dir={shakespeare}", *SMALL, "--train.steps=4",
-             "--checkpoint.every=2", "--train.eval_every=0"]
-    for extra in (["--train.stop_after=2"], []):
-        r = run_cli("train.py", *flags, *extra, env={"JAX_COMPILATION_CACHE_DIR": ""})
-        assert r.returncode == 0, r.stderr[-3000:]
-    assert (run_dir / "compile_cache").is_dir()
-    train_call = [r for r in read_jsonl(run_dir / "events.jsonl")
-                  if r["event"] == "interval" and r["kind"] == "compile" and "jit(call)" in r["programs"]]
-    assert [(c["attempt"], c["cache_hits"].get("jit(call)", 0)) for c in train_call] == [(1, 0), (2, 1)]
-    assert "goodput " in r.stdout and "loaded from the persistent cache" in r.stdout
 
 
 def test_the_report_cli_reads_a_run_directory(tmp_path, capsys):

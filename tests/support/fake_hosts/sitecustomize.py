@@ -1,4 +1,4 @@
-"""Python's start-up on a fake host of tests/fake_cloud.py (its PYTHONPATH holds nothing else): what makes a process
+"""Python's start-up on a fake host of tests/support/cloud.py (its PYTHONPATH holds nothing else): what makes a process
 with CPU devices look to JAX like one on the real machine, where it matters. Each change waits for the JAX module
 it touches to be imported (a process that does not import JAX pays nothing).
 

@@ -4,14 +4,11 @@ depends on it (the loop that waits after every call is the reference)."""
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import pytest
 
 import train as train_app
-from conftest import SMALL, checkpoint_steps, read_jsonl, run_main
+from support.cli import SMALL, checkpoint_steps, read_jsonl, run_main
 from trainer.run.context import RunContext
 from trainer.run.loop import TrainingLoop
-
-pytestmark = pytest.mark.slow
 
 # calls of 2 steps; an evaluation every 4 and a checkpoint every 6 steps: most calls overlap the next one
 LOOP = [*SMALL, "--train.steps=12", "--train.eval_every=4", "--checkpoint.every=6", "--checkpoint.keep=5"]

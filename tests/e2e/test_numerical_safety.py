@@ -1,10 +1,8 @@
-"""Numerical safety: a saved state is always finite, eval.py refuses non-finite results, the spike guard
-skips outlier steps inside the scanned call (bitwise a no-op when nothing spikes), and rollback.
+"""Numerical safety in whole runs: a saved state is always finite, eval.py refuses non-finite results, the spike
+guard skips outlier steps, and rollback restores and skips the data window, also after a kill.
 
-The in-process call tests plant faults through TrainProgram._gradient_hook; the run tests go through train.main /
-eval.main in-process on the embedded corpus, or a copy of it whose batches at known steps are random token
-ids (a loss spike where the test chooses); only the kill needs a process of its own.
-"""
+The runs go through train.main / eval.main in-process on the embedded corpus, or a copy of it whose batches at known
+steps are random token ids (a loss spike where the test chooses); only the kill needs a process of its own."""
 
 import dataclasses
 import json
@@ -23,8 +21,9 @@ import pytest
 import configs
 import eval as eval_app
 import train as train_app
-from configs.base import Config, GuardConfig, OptimConfig, TrainConfig
-from conftest import ROOT, SMALL, checkpoint_steps, cli_env, last_line, read_jsonl, run_main
+from configs.base import Config, OptimConfig, TrainConfig
+from support.cli import ROOT, SMALL, checkpoint_steps, cli_env, last_line, read_jsonl, run_main
+from support.faults import nan_gradient_at
 from gpt2 import GPT2Config
 from trainer.program.mesh import make_mesh
 from trainer.program.train_program import TrainProgram
@@ -35,75 +34,6 @@ NANO = Config(model=GPT2Config.nano(), train=TrainConfig(batch_size=8, seq_len=1
               optim=OptimConfig(warmup_steps=2))
 BATCHES = np.random.RandomState(0).randint(0, 96, (4, 8, 17)).astype(np.int32)  # [K, B, T+1]
 
-
-def guarded(cfg: Config, **guard) -> Config:
-    return dataclasses.replace(cfg, guard=GuardConfig(skip_spikes=True, **guard))
-
-
-def nan_gradient_at(monkeypatch, bad_step: int) -> None:
-    """The gradients of step `bad_step` (1-based) become NaN inside the real jitted call."""
-    monkeypatch.setattr(TrainProgram, "_gradient_hook", lambda self, grads, step: jax.tree.map(
-        lambda g: jnp.where(step + 1 == bad_step, jnp.nan, g), grads))
-
-
-def run(cfg: Config, mesh, stacks):
-    trainer = TrainProgram.build(cfg, mesh)
-    with jax.set_mesh(mesh):
-        call, state, out = trainer.train_call(), trainer.init_state(), []
-        for stack in stacks:
-            state, metrics = call(state, jax.device_put(stack, trainer.batch_sharding), np.ones(len(stack), bool))
-            out.append(jax.device_get(metrics))
-        return state, out
-
-
-def params_equal(a, b) -> bool:
-    return all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), a["params"], b["params"])))
-
-
-# ---- the train call -------------------------------------------------------------------------------
-
-
-def test_a_skipped_step_is_no_step_for_any_k_on_a_sharded_mesh(monkeypatch):
-    """A NaN gradient at step 3 on a 2x2x2 mesh (data, fsdp, tensor): the guarded run (one K=4 call, and four
-    K=1 calls) ends with the parameters of an unguarded run that never saw batch 3 (the optimizer's count, and
-    so its schedule, skip it too)."""
-    cfg = dataclasses.replace(NANO, mesh=dataclasses.replace(NANO.mesh, rules="fsdp_tp"))
-    mesh = make_mesh(2, 2, 2, devices=jax.devices()[:8])
-    reference, _ = run(cfg, mesh, [BATCHES[[0, 1, 3]]])
-    nan_gradient_at(monkeypatch, 3)
-    k4, (m4,) = run(guarded(cfg), mesh, [BATCHES])
-    k1, m1 = run(guarded(cfg), mesh, [BATCHES[i : i + 1] for i in range(4)])
-    assert m4["skipped"].tolist() == [0, 0, 1, 0] and [float(m["skipped"][0]) for m in m1] == [0, 0, 1, 0]
-    np.testing.assert_array_equal(m4["loss"], np.concatenate([m["loss"] for m in m1]))
-    for state in (k4, k1):
-        diff = jax.tree.leaves(jax.tree.map(lambda x, y: float(jnp.abs(x - y).max()), state["params"],
-                                            reference["params"]))
-        assert max(diff) <= 1e-6 and int(state["step"]) == 4 and int(state["opt_state"].stats["skipped"]) == 1
-
-
-def test_the_guard_is_bitwise_a_no_op_until_a_lasting_new_level_restarts_it(monkeypatch):
-    """Gradients 100x larger from step 5 on. Steps 1-4 (nothing to skip) are bitwise the unguarded call's;
-    steps 5-7 are skipped, and `warmup` (3) skips in a row restart the statistics, so step 8 is taken at the
-    new level instead of every later step being skipped."""
-    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    plain, (plain_metrics,) = run(NANO, mesh, [BATCHES])
-    monkeypatch.setattr(TrainProgram, "_gradient_hook", lambda self, grads, step: jax.tree.map(
-        lambda g: jnp.where(step + 1 >= 5, 100 * g, g), grads))
-    more = np.random.RandomState(1).randint(0, 96, (4, 8, 17)).astype(np.int32)
-    state, (metrics,) = run(guarded(NANO, warmup=3), mesh, [np.concatenate([BATCHES, more])])
-    np.testing.assert_array_equal(metrics["loss"][:4], plain_metrics["loss"])  # each loss: the params before it
-    assert np.array_equal(metrics["grad_norm"][:4], plain_metrics["grad_norm"]) and bool(plain_metrics["state_finite"])
-    assert metrics["skipped"].tolist() == [0, 0, 0, 0, 1, 1, 1, 0]
-    assert int(state["opt_state"].stats["accepted"]) == 1 and int(state["opt_state"].stats["streak"]) == 0
-
-
-def test_unguarded_call_reports_a_non_finite_state(monkeypatch):
-    nan_gradient_at(monkeypatch, 2)
-    _, (metrics,) = run(NANO, make_mesh(1, 1, 1, devices=jax.devices()[:1]), [BATCHES])
-    assert not bool(metrics["state_finite"])
-
-
-# ---- runs: nothing non-finite is saved, eval refuses it -----------------------------------------------
 
 TINY = [*SMALL, "--train.steps=30", "--train.steps_per_call=5", "--checkpoint.every=5", "--optim.grad_clip=0",
         "--optim.warmup_steps=0"]
@@ -120,7 +50,7 @@ def evaluates_finite(run_dir) -> None:
         assert code == 0, err[-2000:]
 
 
-@pytest.mark.slow  # whole runs through train.main
+# whole runs through train.main
 @pytest.mark.parametrize("extra, nan_at, saved", [
     (["--optim.lr=300"], None, []),  # the issue's case: checkpoint 5 held NaN parameters
     (["--optim.lr=1e30", "--train.steps_per_call=1", "--checkpoint.every=1"], None, []),  # finite, then overflow
@@ -140,7 +70,6 @@ def test_a_diverging_run_leaves_only_finite_checkpoints(tmp_path, shakespeare, m
     evaluates_finite(tmp_path)
 
 
-@pytest.mark.slow
 def test_eval_refuses_non_finite_parameters_and_all_goes_on(tmp_path, shakespeare):
     """A checkpoint with a NaN parameter (written by hand: training no longer writes one) is one error line;
     --all evaluates the others, keeps their results and exits non-zero."""
@@ -164,10 +93,10 @@ def test_eval_refuses_non_finite_parameters_and_all_goes_on(tmp_path, shakespear
     assert sorted(r["step"] for r in json.loads((tmp_path / "eval.json").read_text())["results"]) == [5, 10]
 
 
-# ---- the spike guard and rollback on a corpus with a planted spike -------------------------------------
-
 SPIKE = [*SMALL, "--train.steps=28", "--train.steps_per_call=4", "--checkpoint.every=8", "--checkpoint.keep=10",
          "--optim.lr=3e-3", "--guard.skip_spikes=True", "--guard.warmup=10", "--guard.z_loss=3"]
+
+
 SPIKE_STEPS = (22, 23)  # every row of these steps' batches is random token ids
 
 
@@ -198,7 +127,6 @@ def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
 
 
-@pytest.mark.slow
 def test_the_guard_skips_exactly_the_planted_spike(tmp_path, shakespeare, poisoned):
     code, _, err = spike_run(tmp_path / "clean", shakespeare)
     assert code == 0, err[-2000:]
@@ -216,7 +144,6 @@ def test_the_guard_skips_exactly_the_planted_spike(tmp_path, shakespeare, poison
 ROLLBACK = ["--guard.rollback_after=2", "--guard.rollback_skip=3"]
 
 
-@pytest.mark.slow
 def test_rollback_restores_the_checkpoint_and_skips_the_window_and_resumes_exactly_after_a_kill(
         tmp_path, poisoned):
     """Two skips in a row at steps 22-23 roll back to checkpoint 16; the data moves past the call's batches

@@ -21,7 +21,7 @@ import pytest
 
 import eval as eval_app
 import train as train_app
-from conftest import (
+from support.cli import (
     ROOT,
     SMALL,
     checkpoint_steps,
@@ -34,8 +34,6 @@ from conftest import (
     step_losses,
 )
 from trainer.telemetry import goodput
-
-pytestmark = pytest.mark.slow
 
 # 2 steps per call, a checkpoint after every call (all kept), an evaluation every 8 steps
 FAULT = [*SMALL, "--train.steps=16", "--checkpoint.every=2", "--checkpoint.keep=10", "--train.eval_every=8"]

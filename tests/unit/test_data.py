@@ -155,7 +155,7 @@ def test_worker_processes_give_the_same_batches(shakespeare):
 # ---- corpus validation -------------------------------------------------------------------------
 
 
-def _corpus_copy(shakespeare, tmp_path):
+def damaged_copy(shakespeare, tmp_path):
     d = tmp_path / "c"
     shutil.copytree(shakespeare, d)
     return d
@@ -170,7 +170,7 @@ def test_open_corpus_errors_name_the_path(shakespeare, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="meta.json: missing, so .*empty is not a prepared corpus; prepare one there"):
         open_corpus(tmp_path / "empty", vocab_size=50257, min_tokens=33)
-    d = _corpus_copy(shakespeare, tmp_path)
+    d = damaged_copy(shakespeare, tmp_path)
     with pytest.raises(DataError, match="fewer than one window"):
         open_corpus(d, vocab_size=50257, min_tokens=10**9)
     with pytest.raises(DataError, match="exceeds the model's 1000"):
@@ -200,7 +200,7 @@ def test_the_loader_needs_the_file_format_not_the_writer():
     data.prepare (the reader of the files does not depend on their writer)."""
     import ast
 
-    from conftest import ROOT
+    from support.cli import ROOT
 
     seen, todo = set(), ["data.loader"]
     while todo:

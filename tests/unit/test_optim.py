@@ -9,7 +9,6 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_train_step import BATCHES, one_device, param_diff, run_calls
 
 from configs.base import CheckpointConfig, Config, GuardConfig, OptimConfig, TrainConfig
 from gpt2 import GPT2Config
@@ -27,6 +26,7 @@ from trainer.program.optimizer import (
 )
 from trainer.program.train_program import TrainProgram
 from trainer.storage.checkpoints import CheckpointMismatch, Checkpoints, check_compatible
+from support.train_calls import BATCHES, one_device, param_diff, run_calls
 
 MUON = OptimConfig(name="muon", warmup_steps=2, muon_lr=0.02)
 MUON_RUN = Config(model=GPT2Config.nano(), train=TrainConfig(batch_size=8, seq_len=16, steps=10), optim=MUON)

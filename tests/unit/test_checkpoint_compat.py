@@ -1,4 +1,4 @@
-"""Checkpoints from earlier releases load: tests/golden/checkpoints_5f6b514/ was written by the trainer at 5f6b514
+"""Checkpoints from earlier releases load: tests/support/golden/checkpoints_5f6b514/ was written by the trainer at 5f6b514
 (before the spike guard's statistics moved into the optimizer state; make.py there wrote it), with the spike guard
 on (`guard`) and off (`plain`). Each restores into today's train state with every value as saved, with the guard on
 or off, and continues exactly as the old trainer did (its parameters after the next call are in state.npz)."""
@@ -9,14 +9,14 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from support.cli import ROOT
 from configs.base import CheckpointConfig, Config, GuardConfig, OptimConfig, TrainConfig
 from gpt2 import GPT2Config
 from trainer.program.mesh import make_mesh
 from trainer.program.train_program import TrainProgram
 from trainer.storage.checkpoints import Checkpoints
 
-GOLDEN = ROOT / "tests" / "golden" / "checkpoints_5f6b514"
+GOLDEN = ROOT / "tests" / "support" / "golden" / "checkpoints_5f6b514"
 BATCHES = np.random.RandomState(0).randint(0, 96, (4, 8, 17)).astype(np.int32)  # make.py's
 
 

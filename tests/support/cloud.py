@@ -13,7 +13,7 @@ CPU devices, its own home directory and what its real platform gives it (no PYTH
   GkeTpuCluster reads.
 - Slurm tasks (`sbatch`, then the script's `srun`): SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID,
   SLURM_LOCALID, one task per node: what JAX's SlurmCluster reads; a node's GPUs are CPU devices that JAX's
-  device restriction (jax_cuda_visible_devices) reaches as it would reach GPUs (tests/fake_hosts/sitecustomize.py).
+  device restriction (jax_cuda_visible_devices) reaches as it would reach GPUs (tests/support/fake_hosts/sitecustomize.py).
 
 Where a real pod has one address per host and these share 127.0.0.1, a job's coordinator port is its own:
 JAX_COORDINATOR_PORT (JAX's own override) on TPU hosts, a Slurm job id whose port (JAX: 61440 + id % 4096) is free.
@@ -484,6 +484,14 @@ def main() -> int:
     if tool == "srun":
         return srun(root, argv)
     return gke(root, tool, argv) if tool in ("xpk", "kubectl") else slurm(root, tool, argv)
+
+
+def use(cloud: FakeCloud, monkeypatch) -> FakeCloud:
+    """The fake tools on this process's PATH (for the launcher called in-process)."""
+    monkeypatch.setenv("PATH", cloud.env()["PATH"])
+    monkeypatch.setenv("FAKE_CLOUD_DIR", str(cloud.root))
+    monkeypatch.setenv("FAKE_CLOUD_SSH_BATCH", str(cloud.ssh_batch))
+    return cloud
 
 
 if __name__ == "__main__":

@@ -46,9 +46,6 @@ def flat(state) -> dict[tuple, np.ndarray]:
     return {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(state)}
 
 
-# ---- the reference: GPT-2 in PyTorch with mup's layers, as microsoft/mutransformers builds it ---------------
-
-
 class TorchBlock(torch.nn.Module):
     def __init__(self, c: GPT2Config):
         super().__init__()
@@ -120,9 +117,6 @@ def to_torch_layout(path: tuple, x: np.ndarray) -> np.ndarray:
 
 def torch_params(model: TorchGPT2) -> dict[str, "torch.nn.Parameter"]:
     return dict(model.named_parameters())  # the tied head is wte.weight, listed once
-
-
-# ---- 1. the oracle -------------------------------------------------------------------------------
 
 
 def test_init_stds_rate_multipliers_and_readout_equal_the_mup_packages(wide):
@@ -222,9 +216,6 @@ def test_muon_scales_each_hidden_matrix_as_keller_jordans_muon(wide):
         assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 0.03, path
 
 
-# ---- 2. μP at its base width is the standard model; the standard one is untouched ---------------------
-
-
 def test_at_the_base_width_mup_is_the_standard_parametrization():
     """Head dim 64 at the base width: the same init, logits and updates as the standard model."""
     standard = dataclasses.replace(BASE, parametrization="standard")
@@ -240,9 +231,6 @@ def test_at_the_base_width_mup_is_the_standard_parametrization():
     jax.tree.map(np.testing.assert_array_equal, ua, ub)
     assert (standard.width_mult, standard.logit_multiplier, standard.attention_scale) == (1.0, 1.0, 1 / 8)
     assert dataclasses.replace(WIDE, parametrization="standard").hidden_init_std(0.02) == 0.02
-
-
-# ---- 3. the coordinate check --------------------------------------------------------------------------
 
 
 def test_coordinate_check_flat_under_mup_growing_under_standard():
@@ -276,9 +264,6 @@ def test_coordinate_check_flat_under_mup_growing_under_standard():
 def _by_layer(found: dict[int, dict[str, list]]) -> dict[str, np.ndarray]:  # {layer: [widths, steps]}
     widths = sorted(found)
     return {layer: np.array([found[w][layer] for w in widths]) for layer in found[widths[0]]}
-
-
-# ---- 4. configuration, checkpoints, Hugging Face ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -316,30 +301,11 @@ def test_a_checkpoint_records_its_parametrization_and_another_is_refused():
         check_compatible(old, mup_run, "ckpt")
 
 
-# ---- 5. the pod preset ----------------------------------------------------------------------------------
-
-
 def test_the_mup_pod_preset_takes_its_rate_from_the_cpu_sweep():
     cfg, pod = configs.load("gpt2_xl_pod_mup"), configs.load("gpt2_xl_pod")
     assert cfg.model.parametrization == "mup" and cfg.model == dataclasses.replace(
         pod.model, parametrization="mup", mup_base_width=cfg.model.mup_base_width)
     assert cfg.train == pod.train and cfg.mesh == pod.mesh
-
-
-@pytest.mark.slow
-def test_the_mup_pod_preset_compiles_for_a_tpu_topology():
-    """gpt2_xl_pod_mup's train call (μP's optimizer chain and multipliers, its mesh rules), shrunk to one layer at
-    width 256 (m = 2), compiles for v5e:2x2 as `plan.py --topology` compiles it."""
-    pytest.importorskip("libtpu", reason="the `tpu` extra brings libtpu")
-    from configs.cli import parse
-    from planning import aot
-
-    small = ["--model.n_layer=1", "--model.n_head=4", "--model.n_embd=256", "--model.block_size=128",
-             "--model.vocab_size=512", "--train.seq_len=128", "--train.batch_size=8", "--train.steps_per_call=1"]
-    cfg = parse(Config, small, default=configs.load("gpt2_xl_pod_mup"), prog="test")
-    assert cfg.model.width_mult == 2.0
-    report = aot.compile_for_topology(cfg, "v5e:2x2")
-    assert "fits in HBM" in report.text() and report.step_time is not None
 
 
 def test_hugging_face_conversion_refuses_a_mup_model_in_one_line(tmp_path):

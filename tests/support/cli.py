@@ -1,0 +1,128 @@
+"""Running the programs from tests: the small CLI run every end-to-end test starts from (`SMALL`), `run_cli` (a
+subprocess with fake CPU devices) and `run_main` (in-process, for checks before any JAX work), and readers of what a
+run leaves (metrics, checkpoints)."""
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+
+# A CLI run small enough for the test budget: 2 layers, width 32, 32-token windows. decay_steps is fixed so
+# that runs of any --train.steps share one learning-rate schedule.
+SMALL = [
+    "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=64", "--model.pad_vocab_to=128",
+    "--train.seq_len=32", "--train.batch_size=8", "--train.steps_per_call=2",
+    "--train.eval_batches=2", "--train.sample_tokens=0", "--log.wandb=disabled", "--log.progress=False",
+    "--optim.warmup_steps=2", "--optim.decay_steps=1000",
+]
+
+
+def cli_env(devices: int = 8, env: dict | None = None) -> dict:
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+            **(env or {})}
+
+
+def run_cli(script: str, *args: str, devices: int = 8, timeout: int = 600, env: dict | None = None):
+    """Runs `python <script> args...` in a subprocess with `devices` fake CPU devices."""
+    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=cli_env(devices, env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_main(main, *args: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of an entry point's `main(argv)` called in this process: for the checks
+    that end a run before any JAX work, in milliseconds instead of a subprocess's seconds."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args)) or 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return code, out.getvalue(), err.getvalue()
+
+
+def error_line(main, *args) -> str:
+    """The one line a program called in-process ends with (exit status 2, no traceback)."""
+    code, _, stderr = run_main(main, *args)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr[-2000:]
+    return last_line(stderr)
+
+
+def last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def step_losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@contextlib.contextmanager
+def read_only(path):
+    """A read-only bind mount over `path` (root ignores file modes, so a chmod would prove nothing)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only directory needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def eval_error(*args) -> str:
+    import eval as eval_app
+
+    return error_line(eval_app.main, *args)
+
+
+def export_error(*args) -> str:
+    from tools import export_hf
+
+    return error_line(export_hf.main, *args)
+
+
+def fsdp_tp_run_args(run_dir, shakespeare, *extra):
+    """2 steps of the small model on a 2×2×2 data × fsdp × tensor mesh (parameters split over 4 devices)."""
+    return ["--run_dir", str(run_dir), f"--data.cache_dir={shakespeare}", *SMALL, "--train.steps=2",
+            "--checkpoint.every=2", "--train.eval_every=0", "--mesh.data=2", "--mesh.fsdp=2", "--mesh.tensor=2",
+            "--mesh.rules=fsdp_tp", *extra]
+
+
+def wandb_records(path):
+    """The protobuf records of a .wandb file (wandb's LevelDB-style log: 32 KiB blocks, 7-byte headers)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, pending, records = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST fragment
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
