@@ -72,8 +72,6 @@ def test_cli_losses_fall(k4_run):
     assert val[0] > val[1] > val[2]
 
 
-
-
 def test_cli_wandb_offline_run_holds_the_logged_metrics(k4_run):
     run_dir, _ = k4_run
     runs = list((run_dir / "wandb").glob("offline-run-*"))

@@ -1,6 +1,7 @@
 """Configuration: presets, parameter counts, validation errors that name the field."""
 
 import dataclasses
+import typing
 
 import jax
 import pytest
@@ -116,19 +117,28 @@ def test_flops_per_token_matches_the_standard_formula():
 
 
 def _numeric_fields():
+    """(section, field) of every int or float field of the training config's sections (optional ones too)."""
     base = configs.load("shakespeare_cpu")
-    for section in ("data", "optim", "train", "mesh", "checkpoint", "distributed"):
-        for f in dataclasses.fields(getattr(base, section)):
-            if f.type in ("int", "float", "int | None", "float | None"):
-                yield section, f.name
+    for f in dataclasses.fields(base):
+        section = getattr(base, f.name)
+        if not dataclasses.is_dataclass(section):
+            continue
+        for name, hint in typing.get_type_hints(type(section)).items():
+            if {int, float} & ({hint} | set(typing.get_args(hint))) and bool not in typing.get_args(hint):
+                yield f.name, name
+
+
+def test_every_numeric_field_is_checked():
+    sections = {section for section, _ in _numeric_fields()}
+    assert len(list(_numeric_fields())) > 50 and sections >= {"model", "optim", "train", "mesh", "guard", "storage"}
 
 
 @pytest.mark.parametrize("section, name", list(_numeric_fields()))
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -10**9])
 def test_every_numeric_field_rejects_nan_inf_and_out_of_range_values(section, name, bad):
     base = configs.load("shakespeare_cpu")
-    changed = dataclasses.replace(getattr(base, section), **{name: bad})
-    with pytest.raises(ConfigError, match=f"{section}.{name} must be"):
+    with pytest.raises(ConfigError, match=f"^--{section}.{name} must be"):
+        changed = dataclasses.replace(getattr(base, section), **{name: bad})
         dataclasses.replace(base, **{section: changed})
 
 

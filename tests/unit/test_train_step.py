@@ -33,12 +33,6 @@ def with_model(cfg: Config, **model) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model))
 
 
-
-
-
-
-
-
 @pytest.mark.parametrize("mesh_shape, rules", [((1, 1, 1), "dp"), ((2, 2, 2), "fsdp_tp")])
 def test_one_call_of_k_steps_equals_k_calls_of_one(mesh_shape, rules):
     cfg = dataclasses.replace(NANO_RUN, mesh=dataclasses.replace(NANO_RUN.mesh, rules=rules))
