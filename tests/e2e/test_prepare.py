@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from support.cli import ROOT
-from support.corpora import prepare_cli, random_docs, prepare_error, files_of, write_jsonl
+from support.corpora import files_of, prepare_cli, prepare_error, random_docs, write_jsonl
 from data import prepare as prep
 from data.prepare import DataError, PrepareConfig, commit, prepare, shards, sources, tokens
 from data.tokenizer import EOT, RANKS_SHA256, get_tokenizer
@@ -23,7 +23,7 @@ SHARD = 1 << 16  # the smallest shard_tokens allowed
 
 def _tokens(directory, split):
     meta = json.loads((directory / "meta.json").read_text())
-    return np.concatenate([np.fromfile(directory / f, dtype="<u2") for f in meta[f"{split}files_of"]])
+    return np.concatenate([np.fromfile(directory / f, dtype="<u2") for f in meta[f"{split}_files"]])
 
 
 def _decode_all(directory, split):

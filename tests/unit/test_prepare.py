@@ -13,7 +13,7 @@ import pytest
 from data import prepare as prep
 from data.prepare import DataError, PrepareConfig, commit, prepare, shards, sources, tokens
 from data.tokenizer import EOT, get_tokenizer
-from support.corpora import random_docs, prepare_error, files_of, write_jsonl
+from support.corpora import files_of, prepare_error, random_docs, write_jsonl
 
 SHARD = 1 << 16  # the smallest shard_tokens allowed
 

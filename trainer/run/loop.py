@@ -161,6 +161,7 @@ def run_to_stop(run: RunContext, state, preemption: Preemption, logger: MetricsL
     # in this order at every point: the watchdog last, so that it beats after the others' work
     observers = [StartUp(), progress, CallTimes(run), Tracing(profile), *evaluations, StallWatch(watchdog)]
     loop = TrainingLoop(run, state, preemption, observers, meta)
+    run.timeline.since_mark("startup")  # wandb, the summary, the config, the evaluation's data, the peak FLOP/s
     with finishing_saves(run.ckpt), profile:
         with watchdog:
             loop.run_calls()
