@@ -131,4 +131,4 @@ def test_a_bad_budget_is_one_line():
 
     code, _, err = run_main(plan.main, "--config", "gpt2_124m", "--topology", "v5e:2x4", "--search", "--budget", "0")
     assert code == 2
-    assert last_line(err) == "error: --budget must be a number > 0, got 0.0"
+    assert last_line(err) == "error: --budget must be a finite number > 0, got 0.0"
