@@ -217,8 +217,11 @@ def test_auto_picks_the_compiled_kernel_for_a_tpu_topology():
 
 @pytest.mark.slow
 def test_gpt2_124m_train_call_with_splash_compiles_for_v5e_2x4():
+    """gpt2_124m's widths, heads and sequence length; two of its twelve layers (the layers are one scanned body, so
+    two compile the same kernels as twelve, in a fifth of the time)."""
     pytest.importorskip("libtpu", reason="the `tpu` extra brings libtpu")
-    r = run_cli("plan.py", "--config", "gpt2_124m", "--topology", "v5e:2x4", "--model.attention=splash", devices=1,
+    r = run_cli("plan.py", "--config", "gpt2_124m", "--topology", "v5e:2x4", "--model.attention=splash",
+                "--model.n_layer=2", devices=1,
                 env={"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "AOT compile for v5e:2x4 (8 devices), per device:" in r.stdout
