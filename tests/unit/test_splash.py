@@ -1,14 +1,13 @@
 """Splash attention (gpt2/splash.py): the TPU Pallas kernel, run here in Pallas's interpret mode on CPU, equals the
 dense path and the kernel's own reference — forward and gradients, causal and with packed documents, in the whole
-model, and sharded over a mesh. The slow tier compiles it for TPU topologies with libtpu.
+model, and sharded over a mesh. Compiled for TPU topologies with libtpu:
+tests/e2e/test_splash.py.
 
 Interpret mode is slow (it emulates the kernel's grid step by step), so shapes are GPT-2's head dim (64) with few
 heads and rows. Tolerances are float32's: the kernel's online softmax sums in another order than the dense softmax.
 """
 
 import dataclasses
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,6 @@ from flax import nnx
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-from support.cli import ROOT, cli_env, run_cli
 from gpt2 import GPT2, GPT2Config, create_sharded_model
 from trainer.program.mesh import make_mesh
 from gpt2.config import ConfigError
@@ -73,9 +71,6 @@ def assert_close(a, b, atol):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=atol)
 
 
-# ---- the kernel against references ---------------------------------------------------------------
-
-
 @pytest.mark.parametrize("T, blocks", [(128, (512, 512)), (384, (256, 128))], ids=["T128", "T384-blocks256x128"])
 def test_forward_and_gradients_equal_the_references_with_two_documents(T, blocks):
     """Two documents per row (split mid-block); T 384 shrinks the 512 default to blocks that divide it."""
@@ -102,9 +97,9 @@ def test_a_length_off_the_128_grid_is_padded_and_still_causal():
     assert_close(out, dense(q, k, v), FORWARD_ATOL)
 
 
-# ---- the model ----------------------------------------------------------------------------------
-
 TINY = GPT2Config(vocab_size=96, n_layer=2, n_head=2, n_embd=128, block_size=128, pad_vocab_to=128)  # K = 64
+
+
 TOKENS = jnp.asarray(np.random.RandomState(0).randint(0, TINY.vocab_size, (4, TINY.block_size + 1)), jnp.int32)
 
 
@@ -163,9 +158,6 @@ def test_sharded_attention_runs_the_kernel_on_each_devices_batch_and_heads():
     assert_close(y, call(plain, x, ids), FORWARD_ATOL)
 
 
-# ---- choosing it, and its configuration ------------------------------------------------------------
-
-
 def test_auto_leaves_the_choice_to_jax_off_tpu():
     assert attention_implementation("auto") is None  # CPU here: dot_product_attention picks
     with jax.set_mesh(make_mesh(8, 1, 1)):
@@ -183,46 +175,3 @@ def test_block_sizes_must_be_multiples_of_128(field, value):
 def test_unknown_attention_names_the_choices():
     with pytest.raises(ConfigError, match=r"^--model.attention must be one of xla, cudnn, splash, auto, got 'flash'$"):
         GPT2Config(attention="flash")
-
-
-# ---- TPU topologies (libtpu, no TPU) -----------------------------------------------------------------
-
-AUTO_ON_TPU = """
-import numpy as np, jax, jax.numpy as jnp
-from flax import nnx
-from jax.experimental import topologies
-from gpt2 import GPT2, GPT2Config
-from gpt2.sharding import ShardingRules
-topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2", chip_config_name="default",
-                                    chips_per_host_bounds=(2, 2, 1), num_slices=1)
-mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(4, 1, 1), ("data", "fsdp", "tensor"))
-config = GPT2Config(vocab_size=96, n_layer=1, n_head=2, n_embd=128, block_size=256)
-model = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0), rules=ShardingRules.preset("dp")))
-graphdef, state = nnx.split(model)
-with jax.set_mesh(mesh):
-    lowered = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, jax.ShapeDtypeStruct((4, 256), jnp.int32))
-print("tpu_custom_call" in lowered.as_text())
-"""
-
-
-@pytest.mark.slow
-def test_auto_picks_the_compiled_kernel_for_a_tpu_topology():
-    """The process's backend is CPU, the mesh's devices are TPUs: "auto" must be splash, not interpreted."""
-    pytest.importorskip("libtpu", reason="the `tpu` extra brings libtpu")
-    r = subprocess.run([sys.executable, "-c", AUTO_ON_TPU], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=cli_env(1, {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip() == "True"
-
-
-@pytest.mark.slow
-def test_gpt2_124m_train_call_with_splash_compiles_for_v5e_2x4():
-    """gpt2_124m's widths, heads and sequence length; two of its twelve layers (the layers are one scanned body, so
-    two compile the same kernels as twelve, in a fifth of the time)."""
-    pytest.importorskip("libtpu", reason="the `tpu` extra brings libtpu")
-    r = run_cli("plan.py", "--config", "gpt2_124m", "--topology", "v5e:2x4", "--model.attention=splash",
-                "--model.n_layer=2", devices=1,
-                env={"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "AOT compile for v5e:2x4 (8 devices), per device:" in r.stdout
-    assert "fits in HBM" in r.stdout and "DOES NOT FIT" not in r.stdout
