@@ -20,11 +20,13 @@ from configs.eval import EvalConfig
 from errors import one_line_errors
 from trainer.eval.driver import evaluate
 from trainer.malloc import keep_freed_memory
+from trainer.perf import libtpu_env
 
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # before JAX starts its threads: see trainer/malloc.py
+    libtpu_env.configure()  # before JAX starts its backends: libtpu's flags on a TPU, quiet without one
     return evaluate(parse(EvalConfig, argv, prog="eval.py", description=__doc__))
 
 

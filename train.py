@@ -17,6 +17,7 @@ from configs.base import Config
 from configs.cli import parse
 from errors import one_line_errors
 from trainer.malloc import keep_freed_memory
+from trainer.perf import libtpu_env
 from trainer.perf.aot import run_aot
 from trainer.perf.planner import DEFAULT_BUDGET_S, run_plan
 from trainer.run import init_from
@@ -26,15 +27,18 @@ from trainer.run.driver import train
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # before JAX starts its threads: see trainer/malloc.py
+    libtpu_env.configure()  # before JAX starts its backends: libtpu's flags on a TPU, quiet without one
     argv = sys.argv[1:] if argv is None else argv
     name, argv = pop_option(argv, "--config")
     topology, argv = pop_option(argv, "--aot")
     plan_topology, argv = pop_option(argv, "--plan")
     budget, argv = pop_option(argv, "--plan_budget")
+    verbose = bool(topology or plan_topology) and "--verbose" in argv
+    argv = [a for a in argv if not (verbose and a == "--verbose")]
     cfg = parse(Config, argv, default=configs.load(name or configs.DEFAULT), prog="train.py", description=usage())
     cfg = init_from.resolve(cfg, argv)  # --init_from: the architecture of the HF checkpoint
     if topology:
-        return run_aot(cfg, topology)
+        return run_aot(cfg, topology, name or configs.DEFAULT, verbose)
     if plan_topology:
         return run_plan(name or configs.DEFAULT, cfg, plan_topology, budget)
     return train(cfg)
@@ -49,7 +53,8 @@ def usage() -> str:
             " N slices joined by DCN, e.g. v5e:16x16*2\n"
             "  --plan TOPOLOGY   compile the preset's candidate layouts, micro-batches, remat policies, scan/unrolled"
             " layers and attention kernels for a TPU topology and rank them by predicted step time\n"
-            f"  --plan_budget S   stop starting --plan's compiles after S seconds (default {DEFAULT_BUDGET_S:.0f})\n")
+            f"  --plan_budget S   stop starting --plan's compiles after S seconds (default {DEFAULT_BUDGET_S:.0f})\n"
+            "  --verbose         with --aot or --plan: also XLA's and libtpu's own figures for the compiled program\n")
 
 
 def pop_option(argv: list[str], flag: str) -> tuple[str | None, list[str]]:

@@ -29,7 +29,7 @@ def stand_in(c, changes):
             + 0.02 * m.scan_layers + 0.05 * (c.mesh.rules != "dp"))
     fits = memory <= 16 * GiB
     return Outcome(changes, fits, memory, step if fits else None, 0.25 / step if fits else None, "compute", 0.0,
-                   None if fits else "does not fit")
+                   None if fits else "does not fit", tokens_per_chip=c.train.batch_size * c.train.seq_len / 8)
 
 
 def start(**model):
@@ -58,7 +58,13 @@ def test_the_search_changes_one_axis_at_a_time_and_ranks_every_candidate():
     text = planner.text(p, 16 * GiB)
     assert "coordinate descent" in text and "not a full grid" in text and "within the budget of 60 s" in text
     assert text.count("\n") >= 2 * len(p.outcomes)  # every candidate a row, with its flags under it
-    assert "best: --model.remat=dots --model.scan_layers=false --train.grad_accum=8" in text
+    lines = text.splitlines()  # the verdict first: the best candidate's flags, fit, step, tokens/s, MFU
+    assert lines[0] == "Best for --config gpt2_124m on v5e:2x4, predicted from its compiled program, not measured:"
+    assert lines[1] == "  flags       --model.remat=dots --model.scan_layers=false --train.grad_accum=8"
+    assert lines[2] == "  fits        yes, 16.00 of 16.00 GiB HBM per chip (0.00 GiB to spare)"
+    assert lines[3] == "  step        430.0 ms"
+    assert lines[4] == f"  tokens/s    {512 * 1024 / 8 / 0.43:,.0f} per chip"
+    assert lines[5].startswith("  MFU         58.1% counting 6N + attention over every query-key pair")
     assert "does not fit" in text and "RuntimeError: no" in text
 
 
@@ -120,9 +126,11 @@ def test_plan_end_to_end_through_train_py():
     r = run_cli("train.py", "--config", "gpt2_124m", "--plan", "v5e:2x2", "--plan_budget", "15", *TINY,
                 devices=1, env={"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
-    out = r.stdout
-    assert out.startswith("Plan for --config gpt2_124m on v5e:2x2:")
-    assert "(the preset as it is)" in out and "\nbest: " in out and "predicted" in out
+    out = r.stdout.splitlines()
+    assert out[0].startswith("Planning --config gpt2_124m for v5e:2x2 (4 chips): compiling candidates one at a time")
+    assert out[1] == "Best for --config gpt2_124m on v5e:2x2, predicted from its compiled program, not measured:"
+    assert [line.split()[0] for line in out[2:8]] == ["flags", "fits", "step", "tokens/s", "MFU", "bottleneck"]
+    assert "(the preset as it is)" in r.stdout
 
 
 def test_a_bad_budget_is_one_line():

@@ -29,7 +29,6 @@ from tqdm.auto import tqdm
 from configs.base import Config
 from errors import ConfigError
 from trainer.perf.aot import DoesNotFit, chip_of, compile_for_topology, for_topology, parse_topology, topology_devices
-from trainer.perf.step_report import BACKTEST_BAND
 
 # The axes in the order the descent visits them, those that change a step's largest costs first (per-micro-batch
 # gradient collectives and overheads, recomputation, the scan's saved activations), so that a search cut short
@@ -57,7 +56,8 @@ class Outcome:
     error: str | None = None  # "does not fit: ..." or the compile's first error line
     from_store: bool = False  # read back from an earlier compile (trainer/perf/compile_store.py)
     mfu_causal: float | None = None  # predicted MFU counting causal attention only (MaxText's, llm.c's convention)
-    expected: str | None = None  # the step and MFU range the back-test's error band gives (StepTimeEstimate)
+    expected: str | None = None  # the step and MFU range the back-test gives, or why none (StepTimeEstimate)
+    tokens_per_chip: float = 0.0  # per step
 
     def key(self) -> tuple:
         """Sort key, best first: fitting and fast, then not fitting by memory (so the search moves towards
@@ -265,7 +265,7 @@ def compile_candidate(topology: str) -> Compile:
         e = r.step_time
         return Outcome(changes, r.fits, float(r.total_bytes), e.predicted_s, e.predicted_mfu, e.bottleneck,
                        time.monotonic() - start, None if r.fits else "does not fit in HBM", r.from_store,
-                       e.predicted_mfu_causal, e.expected_range())
+                       e.predicted_mfu_causal, e.expected_range(), r.tokens_per_step / r.devices)
 
     return compile
 
@@ -321,40 +321,56 @@ def table(p: Plan) -> str:
     return "\n".join(rows)
 
 
-def text(p: Plan, hbm_bytes: float) -> str:
+def verdict(p: Plan, hbm_bytes: float) -> list[str]:
+    """The best candidate first: what to change, whether it fits, its step with its range, tokens/s, MFU."""
     best = p.outcomes[p.best]
+    if not best.fits:
+        return [f"No candidate for --config {p.preset} fits {p.topology}: shard more (a larger topology) or shrink"
+                " train.batch_size."]
+    gib = 2**30
+    lines = [
+        f"Best for --config {p.preset} on {p.topology}, predicted from its compiled program, not measured:",
+        f"  flags       {flags(p.best)}",
+        f"  fits        yes, {best.memory_bytes / gib:.2f} of {hbm_bytes / gib:.2f} GiB HBM per chip"
+        f" ({(hbm_bytes - best.memory_bytes) / gib:.2f} GiB to spare)",
+        f"  step        {best.step_s * 1e3:.1f} ms" + (f"; {best.expected}" if best.expected else ""),
+        f"  tokens/s    {best.tokens_per_chip / best.step_s:,.0f} per chip",
+    ]
+    if best.mfu is not None:
+        lines.append(f"  MFU         {best.mfu:.1%} counting 6N + attention over every query-key pair (PaLM, nanoGPT)"
+                     + (f"; {best.mfu_causal:.1%} counting the causal pairs only (MaxText, llm.c)"
+                        if best.mfu_causal else ""))
+    lines.append(f"  bottleneck  {best.bottleneck}")
+    return lines
+
+
+def text(p: Plan, hbm_bytes: float) -> str:
     budget = (f"stopped at the budget of {p.budget_s:.0f} s" if p.stopped_by_budget
               else f"within the budget of {p.budget_s:.0f} s")
-    lines = [
-        f"Plan for --config {p.preset} on {p.topology}: {len(p.outcomes)} candidates compiled in"
-        f" {p.elapsed_s:.0f} s ({budget}; --plan_budget SECONDS).",
-        "Search: coordinate descent from the preset, one pass over " + ", ".join(AXES) + " — one axis at a"
-        " time, the others held at the best so far; not a full grid.",
-        f"Figures per chip, predicted from each compiled program (train.steps_per_call=1), not measured; HBM"
-        f" {hbm_bytes / 2**30:.2f} GiB. step ms: ops in series, each at max(its FLOPs at peak, its HBM bytes at"
-        " bandwidth, at libtpu's cost model's rates), plus the collectives the schedule leaves exposed; MFU: 6N +"
-        " attention over every query-key pair (PaLM, nanoGPT) in that time; causal: counting only the causal pairs"
-        f" (MaxText, llm.c). Published runs measured {BACKTEST_BAND[0]:.2f}–{BACKTEST_BAND[1]:.2f}× such"
-        " predictions (docs/aot_planning.md, Back-test).",
+    return "\n".join([
+        *verdict(p, hbm_bytes),
         "",
+        f"{len(p.outcomes)} candidates compiled in {p.elapsed_s:.0f} s ({budget}; --plan_budget SECONDS): a"
+        " coordinate descent from the preset, one pass over " + ", ".join(AXES) + ", one axis at a time with the"
+        " others held at the best so far; not a full grid.",
+        "Figures per chip, predicted from each compiled program (train.steps_per_call=1), not measured. step ms:"
+        " ops in series, each at max(its FLOPs, its HBM bytes) at libtpu's cost model's rates, plus their fixed"
+        " costs and the collectives the schedule leaves exposed. MFU: 6N + attention over every query-key pair"
+        " (PaLM, nanoGPT); causal: counting only the causal pairs (MaxText, llm.c).",
         table(p),
-        "",
-    ]
-    if best.fits:
-        lines.append(f"best: {flags(p.best)}")
-        lines.append(f"      predicted {best.step_s * 1e3:.1f} ms per step, MFU {best.mfu:.1%}, bottleneck"
-                     f" {best.bottleneck}, {best.memory_bytes / 2**30:.2f} GiB per chip")
-        if best.expected:
-            lines.append(f"      {best.expected}")
-    else:
-        lines.append("no candidate fits: shard more (a larger topology) or shrink train.batch_size")
-    return "\n".join(lines)
+    ])
 
 
 def run_plan(name: str, cfg: Config, topology: str, budget: str | None) -> int:
-    """`train.py --config NAME --plan TOPOLOGY [--plan_budget SECONDS]`: prints the plan's table."""
-    p = plan(name, cfg, topology, budget_s=budget_seconds(budget))
-    print(text(p, chip_of(topology)[1].hbm_bytes))
+    """`train.py --config NAME --plan TOPOLOGY [--plan_budget SECONDS]`: says what it will do, searches, prints the
+    best candidate's verdict and the table."""
+    budget_s = budget_seconds(budget)
+    _, chip = chip_of(topology)
+    print(f"Planning --config {name} for {topology} ({_devices(topology)} chips): compiling candidates one at a time"
+          " (from under a minute to several each on a small CPU; stored compiles are read back in seconds) until"
+          f" the search ends or {budget_s:.0f} s have passed.", flush=True)
+    p = plan(name, cfg, topology, budget_s=budget_s)
+    print(text(p, chip.hbm_bytes))
     if not p.outcomes[p.best].fits:
         raise ConfigError(f"--plan {topology}: no candidate fits")
     return 0
