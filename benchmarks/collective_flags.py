@@ -31,18 +31,23 @@ def opposite(value: str) -> str | None:
     return {"true": "false", "false": "true"}.get(value)
 
 
+def flipped(flags: dict[str, str], names) -> dict[str, str]:
+    """`flags` with each of `names` turned the other way (a boolean) or left to libtpu's default (a size)."""
+    out = {k: v for k, v in flags.items() if k not in names or opposite(v)}
+    return {**out, **{k: opposite(flags[k]) for k in names if opposite(flags[k])}}
+
+
 def variants(generation: str, by_group: bool = False) -> list[tuple[str, dict[str, str]]]:
     """(label, compiler options): every flag, none, then each boolean flag (or, `by_group`, each of MaxText's
     groups of flags) flipped with the others kept."""
     flags = libtpu_env.COLLECTIVE_FLAGS[generation].flags
     out = [("all flags", dict(flags)), ("no flags (libtpu's defaults)", {})]
     if by_group:
-        return out + [(f"{group} flipped", {**flags, **{k: opposite(v) for k, v in members.items()}})
+        return out + [(f"{group} flipped", flipped(flags, members))
                       for group, members in libtpu_env.GROUPS.items() if set(members) <= set(flags)]
     for name, value in flags.items():
         other = opposite(value)
-        out.append((f"{name}={other}" if other else f"without {name}",
-                    {**flags, name: other} if other else {k: v for k, v in flags.items() if k != name}))
+        out.append((f"{name}={other}" if other else f"without {name}", flipped(flags, [name])))
     return out
 
 

@@ -17,12 +17,12 @@ CONFIG = Config(
     run_dir="runs/gpt2_xl",  # on a pod: storage every host sees: gs://bucket/path (docs/pods.md) or an NFS mount
     # document_mask: attention stops at each <|endoftext|> (splash's segment ids) and positions restart per
     # document; docs/training.md "Document masking" for the measured gain
-    model=GPT2Config.gpt2_xl(pad_vocab_to=128, dtype="bfloat16", scan_layers=True, remat="dots",
+    model=GPT2Config.gpt2_xl(pad_vocab_to=128, dtype="bfloat16", scan_layers=False, remat="dots",
                              document_mask=True, document_positions=True),
     data=DataConfig(dataset="/data/fineweb", num_workers=8, prefetch=4),
     optim=OptimConfig(lr=2e-4, warmup_steps=1000, min_lr_ratio=0.1),
     train=TrainConfig(
-        steps=30_000, batch_size=1024, seq_len=1024, grad_accum=1, steps_per_call=10,
+        steps=30_000, batch_size=1024, seq_len=1024, grad_accum=1, steps_per_call=1,
         eval_every=1000, eval_batches=20, sample_prompt="The meaning of life is",
     ),
     mesh=MeshConfig(data=4, fsdp=-1, tensor=1, rules="fsdp"),
