@@ -351,7 +351,7 @@ def text(p: Plan, hbm_bytes: float) -> str:
     return "\n".join([
         *verdict(p, hbm_bytes),
         "",
-        f"{len(p.outcomes)} candidates compiled in {p.elapsed_s:.0f} s ({budget}; --budget SECONDS): a"
+        f"{len(p.outcomes)} candidate{'s' * (len(p.outcomes) > 1)} compiled in {p.elapsed_s:.0f} s ({budget}; --budget SECONDS): a"
         " coordinate descent from the preset, one pass over " + ", ".join(AXES) + ", one axis at a time with the"
         " others held at the best so far; not a full grid.",
         "Figures per chip, predicted from each compiled program (train.steps_per_call=1), not measured. step ms:"

@@ -79,7 +79,7 @@ def test_gpt2_124m_on_v5e_2x4_gets_an_estimate_its_fixed_costs_move_by_under_3_p
     e = report.step_time
     program, mesh = compile_train_call(configs.load("gpt2_124m"), "v5e:2x4")
     bare = step_time.estimate_hlo(program.hlo, CHIPS["v5e"], dict(mesh.shape), steps_per_call=10, fixed_costs=False)
-    assert bare.predicted_s < e.predicted_s < 1.03 * bare.predicted_s
+    assert bare.predicted_s <= e.predicted_s < 1.03 * bare.predicted_s
     assert e.lower_bound_s > 0 and e.unknown_loops == 0
     # 6N + attention vs the program's MXU FLOPs: splash attention's are inside its kernels, the padded vocabulary adds
     assert 0.7 * report.model_flops_per_step < e.flops < 1.5 * report.model_flops_per_step

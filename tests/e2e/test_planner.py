@@ -33,6 +33,7 @@ def test_a_real_plan_of_a_tiny_model_answers_with_its_verdict_first(tmp_path, mo
     step_ms = float(verdict["step"].split()[1])
     mfu = float(verdict["MFU"].split()[1].rstrip("%"))
     assert step_ms > 0 and 0 < mfu < 100
-    assert float(verdict["tokens/s"].split()[1].replace(",", "")) == pytest.approx(16 * 128 / 4 / (step_ms / 1e3),
-                                                                                    rel=2e-3)
-    assert any(line.startswith("1 candidates compiled in") and "stopped at the budget" in line for line in out)
+    tokens = float(verdict["tokens/s"].split()[1].replace(",", ""))
+    # the step printed to 0.1 ms: the tokens per chip over the step, within that rounding
+    assert 16 * 128 / 4 / ((step_ms + 0.05) / 1e3) <= tokens <= 16 * 128 / 4 / (max(step_ms - 0.05, 1e-9) / 1e3)
+    assert any(line.startswith("1 candidate compiled in") and "stopped at the budget" in line for line in out)
