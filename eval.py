@@ -18,6 +18,7 @@ import sys
 from configs.cli import parse
 from configs.eval import EvalConfig
 from errors import one_line_errors
+from trainer import libtpu_env
 from trainer.eval.driver import evaluate
 from trainer.malloc import keep_freed_memory
 
@@ -25,6 +26,7 @@ from trainer.malloc import keep_freed_memory
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # before JAX starts its threads: see trainer/malloc.py
+    libtpu_env.configure()  # before JAX starts its backends: libtpu's flags on a TPU, quiet without one
     return evaluate(parse(EvalConfig, argv, prog="eval.py", description=__doc__))
 
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import sys
 
-from configs.cli import parse
+from configs.cli import parse, preset_name
 from configs.plan import PlanConfig
 from errors import one_line_errors
 from planning.aot import run_aot
 from planning.planner import run_plan
+from trainer import libtpu_env
 from trainer.malloc import keep_freed_memory
 from trainer.run import init_from
 
@@ -26,9 +27,12 @@ from trainer.run import init_from
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # before JAX starts its threads: see trainer/malloc.py
+    libtpu_env.configure()  # before JAX starts its backends: libtpu quiet without a TPU, its flags on one
+    argv = sys.argv[1:] if argv is None else argv
     cfg = parse(PlanConfig, argv, presets=True, prog="plan.py", description=__doc__)
-    cfg = init_from.resolve(cfg, sys.argv[1:] if argv is None else argv)  # --init_from: its architecture
-    return run_plan(cfg) if cfg.search else run_aot(cfg.run, cfg.topology)
+    cfg = init_from.resolve(cfg, argv)  # --init_from: its architecture
+    preset = preset_name(argv)[0]
+    return run_plan(cfg, preset) if cfg.search else run_aot(cfg.run, cfg.topology, preset, cfg.verbose)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import sys
 from configs.base import Config
 from configs.cli import parse
 from errors import one_line_errors
+from trainer import libtpu_env
 from trainer.malloc import keep_freed_memory
 from trainer.run import init_from
 from trainer.run.driver import train
@@ -24,6 +25,7 @@ from trainer.run.driver import train
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # before JAX starts its threads: see trainer/malloc.py
+    libtpu_env.configure()  # before JAX starts its backends: libtpu's flags on a TPU, quiet without one
     cfg = parse(Config, argv, presets=True, prog="train.py", description=__doc__)
     return train(init_from.resolve(cfg, sys.argv[1:] if argv is None else argv))
 

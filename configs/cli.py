@@ -65,6 +65,16 @@ def _preset(cls: type[T], argv: list[str]) -> tuple[T, list[str]]:
     the presets' class with fields of its own (plan.py's options), which keep their defaults."""
     import configs  # the presets import the model's config, and so JAX: only programs that have presets pay
 
+    name, rest = preset_name(argv)
+    preset = configs.load(name)
+    with deferred_checks():  # a default to start from, with plan.py's --topology still to come: checked once parsed
+        return cls(**{f.name: getattr(preset, f.name) for f in dataclasses.fields(preset)}), rest
+
+
+def preset_name(argv: list[str]) -> tuple[str, list[str]]:
+    """(the preset `--config NAME` names, or the default one; argv without the flag)."""
+    import configs
+
     name, rest = configs.DEFAULT, []
     args = iter(argv)
     for arg in args:
@@ -76,9 +86,7 @@ def _preset(cls: type[T], argv: list[str]) -> tuple[T, list[str]]:
             name = arg.split("=", 1)[1]
         else:
             rest.append(arg)
-    preset = configs.load(name)
-    with deferred_checks():  # a default to start from, with plan.py's --topology still to come: checked once parsed
-        return cls(**{f.name: getattr(preset, f.name) for f in dataclasses.fields(preset)}), rest
+    return name, rest
 
 
 def _presets_help() -> str:

@@ -27,6 +27,9 @@ class PlanConfig(Config):
     budget: Annotated[float, Field(
         "with --search, stop starting compiles after this many seconds (a compile under way finishes)",
         gt=0)] = 1800.0
+    verbose: Annotated[bool, Field(
+        "also print XLA's and libtpu's own figures for the compiled program (its FLOP count, libtpu's cost"
+        " model)")] = False
 
     @property
     def run(self) -> Config:

@@ -19,65 +19,13 @@ from jax.sharding import Mesh
 
 from configs.base import Config
 from errors import ConfigError
+from planning.aot_report import AotReport, compile_line
 from planning.chips import CHIPS, Chip
-from planning.compile_store import STORE, CompiledProgram, compile_lowered
-from planning.step_report import StepTimeEstimate
-from planning.step_time import estimate_hlo
+from planning.compile_store import CompiledProgram, compile_lowered
+from planning.step_time import estimate_hlo, torus
+from trainer import libtpu_env
 from trainer.program.mesh import build_mesh
 from trainer.program.train_program import TrainProgram
-
-
-@dataclasses.dataclass(frozen=True)
-class AotReport:
-    topology: str
-    devices: int
-    argument_bytes: int
-    output_bytes: int
-    temp_bytes: int
-    alias_bytes: int
-    hbm_bytes: int
-    flops_per_step: float  # per device, from XLA's cost analysis (a loop body counted once)
-    model_flops_per_step: float  # per device, 6N + attention
-    optimal_seconds: float  # libtpu's cost model for the whole call (< 0: none; see compile_for_topology)
-    steps_per_call: int
-    step_time: StepTimeEstimate  # predicted from the compiled program, per step
-    libtpu_vmem_step_s: float  # the same with on-chip memory counted as libtpu's cost model counts it
-    from_store: bool = False  # the compile was read back from planning/compile_store.py's store
-    slices: int = 1  # slices joined by DCN (`v5e:16x16*2`); the program compiled is one slice's
-
-    @property
-    def total_bytes(self) -> int:
-        # donated arguments alias outputs: count their buffers once
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
-
-    @property
-    def fits(self) -> bool:
-        return self.total_bytes <= self.hbm_bytes
-
-    def text(self) -> str:
-        gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
-        lines = [
-            f"AOT compile for {self.topology} ({self.devices} devices"
-            f"{f' in {self.slices} slices' if self.slices > 1 else ''}"
-            f"{'; read back from ' + STORE if self.from_store else ''}), per device:",
-            f"  arguments   {gib(self.argument_bytes)}",
-            f"  outputs     {gib(self.output_bytes)}  (of which {gib(self.alias_bytes).strip()} alias donated arguments)",
-            f"  temporaries {gib(self.temp_bytes)}",
-            f"  total       {gib(self.total_bytes)}  of {gib(self.hbm_bytes).strip()} HBM"
-            f"  ({self.total_bytes / self.hbm_bytes:.0%})",
-            f"  FLOPs/step  {self.model_flops_per_step:.3e} (6N + attention); XLA's cost analysis counts"
-            f" {self.flops_per_step:.3e} (each scanned loop body once)",
-        ]
-        lines += ["  " + line for line in self.step_time.lines()]
-        lines.append(f"  with VMEM counted as libtpu's cost model counts it (at the HBM rate, prefetches 4x, in"
-                     f" series): {self.libtpu_vmem_step_s * 1e3:.1f} ms per step, the pessimistic end"
-                     " (docs/aot_planning.md, On-chip memory)")
-        if self.optimal_seconds > 0:
-            lines.append(f"  libtpu's cost model: {self.optimal_seconds / self.steps_per_call * 1e3:.1f} ms per step")
-        else:
-            lines.append(f"  libtpu's cost model: none (optimal_seconds={self.optimal_seconds:.3g} for this program)")
-        lines.append("  fits in HBM" if self.fits else "  DOES NOT FIT in HBM")
-        return "\n".join(lines)
 
 
 def chip_of(topology: str) -> tuple[str, Chip]:
@@ -113,8 +61,7 @@ def topology_devices(topology: str):
         )
     except Exception as e:  # libtpu missing, or a name it does not know
         hint = ("" if importlib.util.find_spec("libtpu") else "; install the `tpu` extra (pip install -e '.[tpu]')")
-        raise ConfigError(f"--topology {topology}: cannot describe this topology ({str(e).splitlines()[0]}){hint}"
-                          ) from None
+        raise ConfigError(f"--topology {topology}: cannot describe this topology ({str(e).splitlines()[0]}){hint}") from None
     return topo.devices
 
 
@@ -126,7 +73,7 @@ def for_topology(cfg: Config, topology: str) -> Config:
     return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, num_slices=slices))
 
 
-def compile_for_topology(cfg: Config, topology: str) -> AotReport:
+def compile_for_topology(cfg: Config, topology: str, preset: str = "") -> AotReport:
     """Compiles the K-step train call for `topology` (or reads the same compile back from the store) and reports
     on it; allocates no arrays. A program the TPU compiler refuses because it cannot fit raises `DoesNotFit` with
     the compiler's numbers."""
@@ -155,20 +102,26 @@ def compile_for_topology(cfg: Config, topology: str) -> AotReport:
         optimal_seconds=program.optimal_seconds, steps_per_call=t.steps_per_call,
         step_time=estimate_hlo(program.hlo, spec, dict(mesh.shape), steps_per_call=t.steps_per_call,
                                model_flops_per_step=model_flops, causal_model_flops_per_step=causal_flops,
-                               slices=slices),
+                               slices=slices, torus=torus(mesh)),
         libtpu_vmem_step_s=estimate_hlo(program.hlo, spec, dict(mesh.shape), steps_per_call=t.steps_per_call,
-                                        libtpu_vmem=True, slices=slices).predicted_s,
-        from_store=program.from_store, slices=slices,
+                                        libtpu_vmem=True, slices=slices, torus=torus(mesh)).predicted_s,
+        from_store=program.from_store, slices=slices, tokens_per_step=t.batch_size * t.seq_len, preset=preset,
     )
 
 
-def compile_train_call(cfg: Config, topology: str) -> tuple[CompiledProgram, Mesh]:
-    """(the train call compiled for `topology`, its mesh)."""
+def topology_mesh(cfg: Config, topology: str) -> tuple[Config, Mesh]:
+    """`cfg` spanning the topology's slices, and its mesh over the topology's devices."""
     cfg = for_topology(cfg, topology)
-    mesh = build_mesh(cfg, devices=topology_devices(topology))
+    return cfg, build_mesh(cfg, devices=topology_devices(topology))
+
+
+def compile_train_call(cfg: Config, topology: str) -> tuple[CompiledProgram, Mesh]:
+    """(the train call compiled for `topology` with the flags train.py sets on that TPU, its mesh)."""
+    cfg, mesh = topology_mesh(cfg, topology)
     trainer = TrainProgram.build(cfg, mesh)
+    options = libtpu_env.compile_options(chip_of(topology)[0])
     with jax.set_mesh(mesh):
-        return compile_lowered(trainer.lower(), topology), mesh
+        return compile_lowered(trainer.lower(), topology, options), mesh
 
 
 class DoesNotFit(ConfigError):
@@ -180,9 +133,15 @@ class DoesNotFit(ConfigError):
         return float(m.group(1)) * 2 ** (10 * " KMGT".index(m.group(2))) if m else None
 
 
-def run_aot(cfg: Config, topology: str) -> int:
-    report = compile_for_topology(cfg, topology)
-    print(report.text())
+def run_aot(cfg: Config, topology: str, preset: str = "the config", verbose: bool = False) -> int:
+    """`plan.py --topology T`: says what it compiles, compiles, prints the verdict and the breakdown."""
+    chip_of(topology)  # an unknown generation is one line, before libtpu loads
+    described, mesh = topology_mesh(cfg, topology)
+    t = described.train
+    print(compile_line(preset, topology, dict(mesh.shape), t.batch_size, t.seq_len, t.grad_accum, t.steps_per_call),
+          flush=True)
+    report = compile_for_topology(cfg, topology, preset)
+    print(report.text(verbose))
     if not report.fits:
         raise ConfigError(
             f"--topology {topology}: the train call needs {report.total_bytes / 2**30:.2f} GiB per device but a chip"

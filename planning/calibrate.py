@@ -201,7 +201,7 @@ def libtpu_seconds(compiled) -> float:
 
 
 def ours_seconds(compiled, chip: str) -> float:
-    return step_time.estimate_hlo(compiled.as_text(), chip, {"data": CHIPS_PER_MESH}).predicted_s
+    return step_time.estimate_hlo(compiled.as_text(), chip, {"data": CHIPS_PER_MESH}, fixed_costs=False).predicted_s
 
 
 def libtpu_formula(text: str, chip: str) -> float:

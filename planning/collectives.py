@@ -18,6 +18,25 @@ from planning.hlo import Instr
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
+# Each hop over an ICI link costs about 1 µs whatever it carries: "Each hop over an ICI link has some intrinsic
+# overhead regardless of the data volume. This is typically around 1us" (jax-ml/scaling-book@0819a7d sharding.md,
+# "A note on ICI latency"; inference.md: below that a collective is bound by "the fixed overhead of actually
+# dispatching the collective"). A bidirectional ring of n chips passes each shard ⌊n/2⌋ hops, so a collective takes
+# max(its bytes over the ring's bandwidth, hops × ICI_HOP_S) — the book's T = max(T_min, V/W) per hop — with the
+# hops counted on the torus its chips occupy (planning/hlo.py's torus_extents). The same page gives a group
+# spanning several torus dimensions their combined bandwidth ("increases the available bandwidth by a factor of
+# n_axes"); charged so, the back-test's runs moved away from their measurements (maxtext_16b_v5e and maxtext_22b_v4
+# to 1.22× measured / predicted; summed squared log error 1.66 against 1.15), so one ring's bandwidth it is.
+ICI_HOP_S = 1e-6
+# One step of a transfer between slices: a send handed to the host's DCN runtime (Cloud TPU "Profiling Multislice
+# environments": send interrupts the host to start a DMA) and received by another host. Google publishes no figure
+# for it; this is half of "round trip within same datacenter: 500,000 ns" (J. Dean, "Numbers everyone should know",
+# LADIS 2009), which E. Jones measured still holding at about the 80th percentile between Google Cloud VMs of one
+# zone in 2021 (evan-jones.appspot.com/network-latencies-2021.html). An assumption, not a TPU measurement: a ring
+# across s slices pays it at each of its 2 (s-1) steps for an all-reduce, (s-1) otherwise (the α of Thakur,
+# Rabenseifner and Gropp's α-β model, "Optimization of Collective Communication Operations in MPICH", 2005).
+DCN_STEP_S = 250e-6
+
 
 @dataclasses.dataclass
 class Collective:
@@ -27,7 +46,9 @@ class Collective:
     full array, the all-gather's output / the reduce-scatter's input / the all-reduce's array):
       all-gather, reduce-scatter: (n-1)/n × B / ring;  all-reduce (a reduce-scatter then an all-gather):
       2 (n-1)/n × B / ring;  all-to-all: (n-1)/n × B / ring (what leaves each chip; a lower bound, as hops
-      beyond the first are not charged);  collective-permute: B / one link (one hop, one direction).
+      beyond the first are not charged);  collective-permute: B / one link (one hop, one direction);
+    each no less than its hops × ICI_HOP_S (⌊extent/2⌋ along each torus dimension it spans; twice for an
+    all-reduce, one for a permute).
     """
 
     kind: str
@@ -47,10 +68,16 @@ class Collective:
                 f" {self.exposed * 1e3:.2f} exposed")
 
 
-def collective_seconds(kind: str, n: int, nbytes: float, chip: Chip) -> float:
+def collective_seconds(kind: str, n: int, nbytes: float, chip: Chip, extents: list[int] | None = None,
+                       latency: bool = True) -> float:
+    """One execution over n chips spanning `extents` chips along the torus dimensions it uses (default: one ring of
+    n): its bytes at one bidirectional ring's bandwidth, and no less than its hops × ICI_HOP_S (⌊extent/2⌋ per
+    dimension; `latency=False`: bandwidth only) — twice over for an all-reduce, one hop for a permute."""
+    extents = [n] if not extents else extents
+    hop = ICI_HOP_S if latency else 0.0
     if kind == "collective-permute":
-        return nbytes / chip.ici_link_bytes_per_s
-    ring = (n - 1) / n * nbytes / chip.ring_bytes_per_s
+        return max(nbytes / chip.ici_link_bytes_per_s, hop)
+    ring = max((n - 1) / n * nbytes / chip.ring_bytes_per_s, sum(e // 2 for e in extents) * hop)
     return 2 * ring if kind == "all-reduce" else ring
 
 
@@ -62,13 +89,15 @@ def dcn_kind(instr: Instr) -> str | None:
     return m.group(1).lower().replace("_", "-") if m and instr.opcode == "send" else None
 
 
-def dcn_collective(kind: str, slices: int, nbytes: float, chip: Chip) -> Collective:
+def dcn_collective(kind: str, slices: int, nbytes: float, chip: Chip, latency: bool = True) -> Collective:
     """One cross-slice transfer of `nbytes` per chip (the send's operand) among `slices` slices: a ring across the
     slices at `Chip.dcn_bytes_per_s`, every chip of a host sending at once: 2 (s-1)/s × B for an all-reduce,
-    (s-1) × B for an all-gather (B: the piece each chip holds), (s-1)/s × B otherwise."""
+    (s-1) × B for an all-gather (B: the piece each chip holds), (s-1)/s × B otherwise; plus DCN_STEP_S for each
+    of the ring's steps."""
+    steps = (slices - 1) * (2 if kind == "all-reduce" else 1)
     if kind == "all-gather":
         moved = (slices - 1) * nbytes
     else:
         moved = (slices - 1) / slices * nbytes * (2 if kind == "all-reduce" else 1)
-    seconds = moved / chip.dcn_bytes_per_s
+    seconds = moved / chip.dcn_bytes_per_s + steps * DCN_STEP_S * latency
     return Collective(kind, f"DCN (data across {slices} slices)", 1, nbytes, seconds, exposed=seconds)

@@ -23,7 +23,8 @@ from etils import epath
 from trainer.storage.files import atomic_write
 
 STORE = "~/.cache/gpt2_nnx/aot"
-# what else changes a compile besides the lowered program: the libraries, and the flags libtpu and XLA read
+# what else changes a compile besides the lowered program and its compiler options: the libraries, and the flags
+# libtpu and XLA read from the environment
 _ENVIRONMENT = ("LIBTPU_INIT_ARGS", "XLA_FLAGS")
 
 
@@ -42,12 +43,14 @@ class CompiledProgram:
     from_store: bool = False  # read back, not compiled now
 
 
-def compile_lowered(lowered, topology: str) -> CompiledProgram:
-    """`lowered.compile()`'s results for `topology`, from the store when this exact compile was made before."""
-    path = epath.Path(os.path.expanduser(STORE)) / f"{_key(lowered, topology)}.json.gz"
+def compile_lowered(lowered, topology: str, options: dict[str, str] | None = None) -> CompiledProgram:
+    """`lowered.compile(compiler_options=options)`'s results for `topology`, from the store when this exact
+    compile was made before. `options`: the libtpu flags of this compile (trainer/libtpu_env.py)."""
+    options = options or {}
+    path = epath.Path(os.path.expanduser(STORE)) / f"{_key(lowered, topology, options)}.json.gz"
     if path.exists():
         return dataclasses.replace(CompiledProgram(**json.loads(gzip.decompress(path.read_bytes()))), from_store=True)
-    result = _compile(lowered)
+    result = _compile(lowered, options)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, gzip.compress(json.dumps(dataclasses.asdict(result)).encode(), compresslevel=6))
@@ -56,9 +59,9 @@ def compile_lowered(lowered, topology: str) -> CompiledProgram:
     return result
 
 
-def _compile(lowered) -> CompiledProgram:
+def _compile(lowered, options: dict[str, str]) -> CompiledProgram:
     try:
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=options)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -72,10 +75,11 @@ def _compile(lowered) -> CompiledProgram:
                            optimal_seconds=float(cost.get("optimal_seconds", -1.0)))
 
 
-def _key(lowered, topology: str) -> str:
+def _key(lowered, topology: str, options: dict[str, str]) -> str:
     versions = {name: _version(name) for name in ("jax", "jaxlib", "libtpu")}
     environment = {name: os.environ.get(name, "") for name in _ENVIRONMENT}
-    identity = json.dumps({"topology": topology, "versions": versions, "environment": environment}, sort_keys=True)
+    identity = json.dumps({"topology": topology, "versions": versions, "environment": environment,
+                           "options": options}, sort_keys=True)
     return hashlib.sha256(identity.encode() + lowered.as_text().encode()).hexdigest()[:32]
 
 

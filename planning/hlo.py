@@ -188,6 +188,16 @@ def _iota(text: str) -> np.ndarray:
     return (ids.transpose([int(x) for x in m.group(2).split(",")]) if m.group(2) else ids).reshape(-1)
 
 
+def torus_extents(groups: list[list[int]], mesh_shape: dict[str, int], torus: np.ndarray | None = None) -> list[int]:
+    """How many chips the largest group spans along each torus dimension it varies over, from `torus`, the chips'
+    coordinates in mesh position order ([devices, dims]); without it, along each mesh axis."""
+    group = np.asarray(max(groups, key=len))
+    if torus is None:
+        torus = np.stack(np.unravel_index(np.arange(math.prod(mesh_shape.values())), tuple(mesh_shape.values())), -1)
+    extents = [len(np.unique(torus[group, d])) for d in range(torus.shape[1])]
+    return [e for e in extents if e > 1]
+
+
 def mesh_axis(groups: list[list[int]], mesh_shape: dict[str, int]) -> str:
     """The mesh axes along which a group's devices differ (device id i is position i of the mesh, row-major)."""
     coords = np.stack(np.unravel_index(np.asarray(groups), tuple(mesh_shape.values())), -1)  # [groups, size, axes]

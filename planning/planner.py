@@ -31,7 +31,6 @@ from configs.base import Config
 from configs.plan import PlanConfig
 from errors import ConfigError
 from planning.aot import DoesNotFit, chip_of, compile_for_topology, for_topology, parse_topology, topology_devices
-from planning.step_report import BACKTEST_BAND
 
 # The axes in the order the descent visits them, those that change a step's largest costs first (per-micro-batch
 # gradient collectives and overheads, recomputation, the scan's saved activations), so that a search cut short
@@ -58,7 +57,8 @@ class Outcome:
     error: str | None = None  # "does not fit: ..." or the compile's first error line
     from_store: bool = False  # read back from an earlier compile (planning/compile_store.py)
     mfu_causal: float | None = None  # predicted MFU counting causal attention only (MaxText's, llm.c's convention)
-    expected: str | None = None  # the step and MFU range the back-test's error band gives (StepTimeEstimate)
+    expected: str | None = None  # the step and MFU range the back-test gives, or why none (StepTimeEstimate)
+    tokens_per_chip: float = 0.0  # per step
 
     def key(self) -> tuple:
         """Sort key, best first: fitting and fast, then not fitting by memory (so the search moves towards
@@ -157,6 +157,7 @@ class Plan:
     budget_s: float
     elapsed_s: float
     stopped_by_budget: bool
+    preset: str = "the config"  # the --config it searched around, as the verdict names it
 
     def ranked(self) -> list[Outcome]:
         return sorted(self.outcomes.values(), key=Outcome.key)
@@ -265,13 +266,13 @@ def compile_candidate(topology: str) -> Compile:
         e = r.step_time
         return Outcome(changes, r.fits, float(r.total_bytes), e.predicted_s, e.predicted_mfu, e.bottleneck,
                        time.monotonic() - start, None if r.fits else "does not fit in HBM", r.from_store,
-                       e.predicted_mfu_causal, e.expected_range())
+                       e.predicted_mfu_causal, e.expected_range(), r.tokens_per_step / r.devices)
 
     return compile
 
 
 def plan(cfg: Config, topology: str, *, budget_s: float, compile: Compile | None = None,
-         show_progress: bool = True) -> Plan:
+         show_progress: bool = True, preset: str = "the config") -> Plan:
     """Searches candidates around `cfg` for `topology`; `compile` defaults to compiling through libtpu."""
     chip_of(topology)  # an unknown generation is one line, before anything compiles
     devices = len(topology_devices(topology)) if compile is None else _devices(topology)
@@ -280,7 +281,7 @@ def plan(cfg: Config, topology: str, *, budget_s: float, compile: Compile | None
         search = Search(cfg, devices, compile or compile_candidate(topology), budget_s=budget_s, progress=bar)
         best = search.run()
     return Plan(topology, search.outcomes, best, budget_s, time.monotonic() - search.started,
-                search.stopped_by_budget)
+                search.stopped_by_budget, preset)
 
 
 def _devices(topology: str) -> int:
@@ -321,40 +322,55 @@ def table(p: Plan) -> str:
     return "\n".join(rows)
 
 
-def text(p: Plan, hbm_bytes: float) -> str:
+def verdict(p: Plan, hbm_bytes: float) -> list[str]:
+    """The best candidate first: what to change, whether it fits, its step with its range, tokens/s, MFU."""
     best = p.outcomes[p.best]
+    if not best.fits:
+        return [f"No candidate for --config {p.preset} fits {p.topology}: shard more (a larger topology) or shrink"
+                " train.batch_size."]
+    gib = 2**30
+    lines = [
+        f"Best for --config {p.preset} on {p.topology}, predicted from its compiled program, not measured:",
+        f"  flags       {flags(p.best)}",
+        f"  fits        yes, {best.memory_bytes / gib:.2f} of {hbm_bytes / gib:.2f} GiB HBM per chip"
+        f" ({(hbm_bytes - best.memory_bytes) / gib:.2f} GiB to spare)",
+        f"  step        {best.step_s * 1e3:.1f} ms" + (f"; {best.expected}" if best.expected else ""),
+        f"  tokens/s    {best.tokens_per_chip / best.step_s:,.0f} per chip",
+    ]
+    if best.mfu is not None:
+        lines.append(f"  MFU         {best.mfu:.1%} counting 6N + attention over every query-key pair (PaLM, nanoGPT)"
+                     + (f"; {best.mfu_causal:.1%} counting the causal pairs only (MaxText, llm.c)"
+                        if best.mfu_causal else ""))
+    lines.append(f"  bottleneck  {best.bottleneck}")
+    return lines
+
+
+def text(p: Plan, hbm_bytes: float) -> str:
     budget = (f"stopped at the budget of {p.budget_s:.0f} s" if p.stopped_by_budget
               else f"within the budget of {p.budget_s:.0f} s")
-    lines = [
-        f"Plan for {p.topology}: {len(p.outcomes)} candidates compiled in {p.elapsed_s:.0f} s ({budget};"
-        " --budget SECONDS).",
-        "Search: coordinate descent from the preset, one pass over " + ", ".join(AXES) + " — one axis at a"
-        " time, the others held at the best so far; not a full grid.",
-        f"Figures per chip, predicted from each compiled program (train.steps_per_call=1), not measured; HBM"
-        f" {hbm_bytes / 2**30:.2f} GiB. step ms: ops in series, each at max(its FLOPs at peak, its HBM bytes at"
-        " bandwidth, at libtpu's cost model's rates), plus the collectives the schedule leaves exposed; MFU: 6N +"
-        " attention over every query-key pair (PaLM, nanoGPT) in that time; causal: counting only the causal pairs"
-        f" (MaxText, llm.c). Published runs measured {BACKTEST_BAND[0]:.2f}–{BACKTEST_BAND[1]:.2f}× such"
-        " predictions (docs/aot_planning.md, Back-test).",
+    return "\n".join([
+        *verdict(p, hbm_bytes),
         "",
+        f"{len(p.outcomes)} candidate{'s' * (len(p.outcomes) > 1)} compiled in {p.elapsed_s:.0f} s ({budget}; --budget SECONDS): a"
+        " coordinate descent from the preset, one pass over " + ", ".join(AXES) + ", one axis at a time with the"
+        " others held at the best so far; not a full grid.",
+        "Figures per chip, predicted from each compiled program (train.steps_per_call=1), not measured. step ms:"
+        " ops in series, each at max(its FLOPs, its HBM bytes) at libtpu's cost model's rates, plus their fixed"
+        " costs and the collectives the schedule leaves exposed. MFU: 6N + attention over every query-key pair"
+        " (PaLM, nanoGPT); causal: counting only the causal pairs (MaxText, llm.c).",
         table(p),
-        "",
-    ]
-    if best.fits:
-        lines.append(f"best: {flags(p.best)}")
-        lines.append(f"      predicted {best.step_s * 1e3:.1f} ms per step, MFU {best.mfu:.1%}, bottleneck"
-                     f" {best.bottleneck}, {best.memory_bytes / 2**30:.2f} GiB per chip")
-        if best.expected:
-            lines.append(f"      {best.expected}")
-    else:
-        lines.append("no candidate fits: shard more (a larger topology) or shrink train.batch_size")
-    return "\n".join(lines)
+    ])
 
 
-def run_plan(cfg: PlanConfig) -> int:
-    """`plan.py --topology T --search [--budget SECONDS]`: prints the plan's table."""
-    p = plan(cfg.run, cfg.topology, budget_s=cfg.budget)
-    print(text(p, chip_of(cfg.topology)[1].hbm_bytes))
+def run_plan(cfg: PlanConfig, preset: str = "the config") -> int:
+    """`plan.py --config P --topology T --search [--budget SECONDS]`: says what it will do, searches, prints the best
+    candidate's verdict and the table."""
+    _, chip = chip_of(cfg.topology)
+    print(f"Planning --config {preset} for {cfg.topology} ({_devices(cfg.topology)} chips): compiling candidates one"
+          " at a time (from under a minute to several each on a small CPU; stored compiles are read back in seconds)"
+          f" until the search ends or {cfg.budget:.0f} s have passed.", flush=True)
+    p = plan(cfg.run, cfg.topology, budget_s=cfg.budget, preset=preset)
+    print(text(p, chip.hbm_bytes))
     if not p.outcomes[p.best].fits:
         raise ConfigError(f"--topology {cfg.topology}: no candidate fits")
     return 0

@@ -1,5 +1,5 @@
 """The step-time estimate's figures and its report: the predicted step, MFU in both conventions, the bottleneck and
-the error band the back-test against published measurements gives (planning/backtest.py).
+the range the back-test against published measurements gives for its regime (planning/backtest_band.py).
 
 planning/step_time.py makes a `StepTimeEstimate` from a compiled program; `plan.py` prints its `lines()` and the
 planner ranks candidates by its `row()`.
@@ -11,12 +11,8 @@ import dataclasses
 
 from planning.chips import Chip
 from planning import op_cost
-from planning.collectives import Collective
-
-# How long published TPU runs' measured steps took, as a multiple of this model's prediction for their closest
-# analog: the smallest and largest ratio measured / predicted in planning/backtest.py's table (the sources, the
-# analogs and each ratio: docs/aot_planning.md, "Back-test"). A prediction is printed with the range it implies.
-BACKTEST_BAND = (0.77, 1.15)  # llama3_8b_v6e8 0.77 ... maxtext_16b_v5e 1.15 (6 runs on v4, v5e, v5p, v6e)
+from planning.backtest_band import Band, band, span
+from planning.collectives import DCN_STEP_S, ICI_HOP_S, Collective
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +21,9 @@ class StepTimeEstimate:
 
     Each op the TensorCore runs costs the larger of its compute and HBM times at libtpu's rates (trainer/op_cost.py);
     roofline_s is their sum, one op after another (async copies are DMAs beside them). A collective adds the part
-    of its ICI time that the ops scheduled between its start and done do not cover (all of it when synchronous):
-    predicted_s = max(roofline_s + exposed_s, hbm_s). `predicted_mfu` is the MFU at that time, and what the
+    of its ICI time that the ops scheduled between its start and done do not cover (all of it when synchronous),
+    and every op its fixed cost: predicted_s = max(roofline_s + fixed_s + exposed_s, hbm_s, dispatch_s), the last
+    the host's dispatch of the call per step. `predicted_mfu` is the MFU at that time, and what the
     planner ranks by. lower_bound_s = max(compute_s, hbm_s, collective_s) (`mfu_bound` its MFU) is what the three
     resources allow if everything overlapped; no_overlap_s (every collective in series) the pessimistic end.
     """
@@ -44,6 +41,9 @@ class StepTimeEstimate:
     unknown_loops: int = 0
     memory_bound_s: float = 0.0  # the part of roofline_s in ops limited by HBM rather than the MXU
     splash_kernels: float = 0  # splash attention kernel calls per step, costed from their block shapes
+    ops: float = 0  # ops per step the TensorCore runs one after another
+    fixed_s: float = 0.0  # their fixed cost (planning/step_time.py's OP_OVERHEAD_S each), in series
+    dispatch_s: float = 0.0  # the host's dispatch of the call, per step: a floor, as it overlaps the device's work
 
     @property
     def collective_s(self) -> float:
@@ -60,11 +60,11 @@ class StepTimeEstimate:
     @property
     def no_overlap_s(self) -> float:
         """The roofline plus every collective in series: what the step takes if nothing overlaps."""
-        return self.roofline_s + self.collective_s
+        return self.roofline_s + self.fixed_s + self.collective_s
 
     @property
     def predicted_s(self) -> float:
-        return max(self.roofline_s + self.exposed_s, self.hbm_s)
+        return max(self.roofline_s + self.fixed_s + self.exposed_s, self.hbm_s, self.dispatch_s)
 
     @property
     def predicted_mfu(self) -> float | None:
@@ -74,16 +74,30 @@ class StepTimeEstimate:
     def predicted_mfu_causal(self) -> float | None:
         return self.causal_model_flops / (self.predicted_s * self.chip.peak_flops) if self.causal_model_flops else None
 
-    def expected_range(self) -> str:
-        """The step and MFU that the back-test's error band puts around the prediction."""
-        lo, hi = BACKTEST_BAND
+    @property
+    def exposed_share(self) -> float:
+        return self.exposed_s / self.predicted_s if self.predicted_s else 0.0
+
+    def expected(self) -> tuple[float, float, Band] | None:
+        """(fastest, slowest) step the back-test's runs of this regime put around the prediction, and their band;
+        None where the back-test has no comparable run (planning/backtest_band.py)."""
+        b = band(self.compute_s, self.exposed_share)
+        if b is None:
+            return None
         # no faster than the lower bound: every resource at libtpu's rate (the MXU's peak), perfectly overlapped
-        fastest, slowest = max(self.predicted_s * lo, self.lower_bound_s), self.predicted_s * hi
-        step = f"expect {fastest * 1e3:.0f}–{slowest * 1e3:.0f} ms"
+        return max(self.predicted_s * b.lo, self.lower_bound_s), self.predicted_s * b.hi, b
+
+    def expected_range(self) -> str:
+        """The step and MFU range the back-test gives this prediction, or why it gives none."""
+        e = self.expected()
+        if e is None:
+            return (f"no comparable measured run: the back-test's runs span {span()}, this program"
+                    f" {self.compute_s * 1e3:.0f} ms with {self.exposed_share:.0%} of its step in exposed collectives")
+        fastest, slowest, b = e
         mfu = self.predicted_mfu
-        fast_mfu = mfu * self.predicted_s / fastest if mfu else None
-        return step + (f", MFU {mfu / hi:.0%}–{fast_mfu:.0%}" if mfu else "") + \
-            f" (published runs measured {lo:.2f}–{hi:.2f}× such predictions: docs/aot_planning.md, Back-test)"
+        mfus = f", MFU {mfu * self.predicted_s / slowest:.0%}–{mfu * self.predicted_s / fastest:.0%}" if mfu else ""
+        return (f"expect {fastest * 1e3:.0f}–{slowest * 1e3:.0f} ms{mfus} ({b.text()}: docs/aot_planning.md,"
+                " Back-test)")
 
     @property
     def mfu_bound(self) -> float | None:
@@ -111,37 +125,39 @@ class StepTimeEstimate:
                 "no_overlap_ms": self.no_overlap_s * 1e3, "bottleneck": self.bottleneck}
 
     def lines(self) -> list[str]:
+        """The breakdown behind the predicted step, per step per chip (the verdict is planning/aot.py's)."""
         ms = lambda s: f"{s * 1e3:8.2f} ms"  # noqa: E731
         chip, mfu, rates = self.chip, self.predicted_mfu, op_cost.RATES[self.chip.name]
         lines = [
-            "predicted from the compiled program (not measured), per step per chip, at libtpu's cost model's rates:",
-            f"  compute     {ms(self.compute_s)}  {self.flops:.3e} MXU FLOPs at {rates.mxu_flops_per_s / 1e12:.0f}"
-            f" TFLOP/s, transcendentals at {rates.transcendentals_per_s / 1e12:.2f} T/s, loops multiplied out",
-            f"  HBM         {ms(self.hbm_s)}  {self.hbm_bytes / 2**30:.2f} GiB read + written at"
+            f"compute     {ms(self.compute_s)}  {self.flops:.3e} MXU FLOPs at {rates.mxu_flops_per_s / 1e12:.0f}"
+            f" TFLOP/s, transcendentals at {rates.transcendentals_per_s / 1e12:.2f} T/s (libtpu's rates)",
+            f"HBM         {ms(self.hbm_s)}  {self.hbm_bytes / 2**30:.2f} GiB read + written at"
             f" {rates.hbm_bytes_per_s / 1e9:.0f} GB/s",
-            f"  collectives {ms(self.collective_s)}  ICI: a ring over a mesh axis {chip.ring_bytes_per_s / 1e9:.0f}"
-            f" GB/s, one link {chip.ici_link_bytes_per_s / 1e9:.0f} GB/s; {self.exposed_s * 1e3:.2f} ms exposed"
+            f"collectives {ms(self.collective_s)}  ICI: a ring over a mesh axis {chip.ring_bytes_per_s / 1e9:.0f}"
+            f" GB/s, one link {chip.ici_link_bytes_per_s / 1e9:.0f} GB/s, at least {ICI_HOP_S * 1e6:.0f} µs a hop;"
+            f" {self.exposed_s * 1e3:.2f} ms exposed"
             + (f"; DCN {chip.dcn_bytes_per_s / 1e9:.2f} GB/s per chip (a host's NICs over its {chip.chips_per_host}"
-               " chips)" if any(c.over_dcn for c in self.collectives) else ""),
-            *(f"    {c.row()}" for c in self.collectives),
-            f"  lower bound {ms(self.lower_bound_s)}  max(compute, HBM, collectives)"
-            + (f" -> MFU <= {self.mfu_bound:.1%}" if mfu else ""),
-            f"  op by op    {ms(self.roofline_s)}  each op at max(its compute, its HBM), one after another"
-            f" ({self.memory_bound_s / max(self.roofline_s, 1e-12):.0%} in HBM-bound ops);"
-            f" {self.no_overlap_s * 1e3:.2f} ms with every collective in series",
-            f"  predicted   {ms(self.predicted_s)}  op by op + exposed collectives (at least HBM)"
-            + (f" -> predicted MFU {mfu:.1%}" if mfu else "") + f"; bottleneck: {self.bottleneck}",
-            f"              {self.expected_range()}",
+               f" chips) and {DCN_STEP_S * 1e6:.0f} µs a step" if any(c.over_dcn for c in self.collectives) else ""),
+            *(f"  {c.row()}" for c in self.collectives),
+            f"op by op    {ms(self.roofline_s)}  each op at max(its compute, its HBM), one after another"
+            f" ({self.memory_bound_s / max(self.roofline_s, 1e-12):.0%} in HBM-bound ops)",
+            f"fixed costs {ms(self.fixed_s)}  {self.ops:,.0f} ops at {self.fixed_s / max(self.ops, 1) * 1e6:.2g} µs"
+            f" each (planning/step_time.py's OP_OVERHEAD_S); the host's dispatch of the call"
+            f" {self.dispatch_s * 1e3:.2f} ms per step, beside the device's work",
+            f"predicted   {ms(self.predicted_s)}  op by op + fixed costs + exposed collectives (at least HBM and"
+            " dispatch)"
+            + (f": MFU {mfu:.1%}" if mfu else ""),
+            f"lower bound {ms(self.lower_bound_s)}  max(compute, HBM, collectives), everything overlapped"
+            + (f": MFU at most {self.mfu_bound:.1%}" if mfu else "")
+            + f"; {self.no_overlap_s * 1e3:.2f} ms with nothing overlapped",
         ]
-        if self.predicted_mfu_causal:
-            lines.append(f"  MFU counts 6N + attention over every query-key pair (PaLM, nanoGPT); counting only the"
-                         f" causal pairs (MaxText, llm.c): {self.predicted_mfu_causal:.1%}")
         if self.splash_kernels:
-            lines.append(f"  splash attention: {self.splash_kernels:g} kernel calls costed from their block shapes"
-                         " (the causal blocks' matmuls at the MXU rate, then one exp per score), as libtpu cannot")
+            lines.append(f"splash attention: {self.splash_kernels:g} kernel calls a step, costed from their block"
+                         " shapes (libtpu's model cannot cost Pallas kernels): the causal blocks' matmuls at the MXU"
+                         " rate, then one exp per score")
         if self.opaque_kernels:
-            lines.append(f"  not counted: the FLOPs inside {self.opaque_kernels:g} Pallas kernel calls other than"
+            lines.append(f"not counted: the FLOPs inside {self.opaque_kernels:g} Pallas kernel calls other than"
                          " splash attention's (their HBM traffic is)")
         if self.unknown_loops:
-            lines.append(f"  not counted: the repeats of {self.unknown_loops} loops of unknown trip count (run once)")
+            lines.append(f"not counted: the repeats of {self.unknown_loops} loops of unknown trip count (run once)")
         return lines

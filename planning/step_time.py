@@ -33,10 +33,13 @@ import math
 import re
 from functools import cached_property
 
+import numpy as np
+
 from planning.chips import CHIPS, Chip
 from planning import op_cost
 from planning.collectives import COLLECTIVES, Collective, collective_seconds, dcn_collective, dcn_kind
-from planning.hlo import Computation, Instr, called, memory_space, mesh_axis, parse_hlo, replica_groups, trip_count
+from planning.hlo import (Computation, Instr, called, memory_space, mesh_axis, parse_hlo, replica_groups,
+                              torus_extents, trip_count)
 from planning.step_report import StepTimeEstimate
 
 # ---------------------------------------------------------------------------------------------- costs
@@ -62,6 +65,7 @@ class Cost:
     opaque_kernels: float = 0  # Pallas / Mosaic kernels (tpu_custom_call), whose FLOPs the HLO does not state
     splash_kernels: float = 0  # splash attention's kernels, costed from their block shapes
     unknown_loops: int = 0  # while loops whose trip count could not be read (counted once)
+    ops: float = 0  # ops the TensorCore runs one after another (fusions, kernels, copies), loops multiplied out
 
     @property
     def collective_s(self) -> float:
@@ -73,7 +77,7 @@ class Cost:
 
     def add(self, other: Cost, times: float = 1.0) -> None:
         for f in ("flops", "hbm_bytes", "compute_s", "hbm_s", "roofline_s", "memory_bound_s", "opaque_kernels",
-                  "splash_kernels"):
+                  "splash_kernels", "ops"):
             setattr(self, f, getattr(self, f) + times * getattr(other, f))
         self.unknown_loops += other.unknown_loops
         for key, c in other.collectives.items():
@@ -88,8 +92,9 @@ class _Walker:
     """Costs of an HLO module's computations for one chip and mesh, each computed once."""
 
     def __init__(self, comps: dict[str, Computation], chip: Chip, mesh_shape: dict[str, int], *,
-                 copies_in_series: bool = False, slices: int = 1):
+                 copies_in_series: bool = False, slices: int = 1, latency: bool = True, torus=None):
         self.comps, self.chip, self.mesh_shape, self.slices = comps, chip, mesh_shape, slices  # one slice's mesh
+        self.latency, self.torus = latency, torus  # collectives' hop latency, on these chip coordinates
         self.copies_in_series = copies_in_series  # libtpu's accounting: see estimate_hlo
         self.devices = math.prod(mesh_shape.values())
         self.rates = op_cost.RATES[chip.name]
@@ -138,7 +143,7 @@ class _Walker:
 
     def async_collectives(self, done: Instr, start: Instr) -> Cost:
         if start.opcode == "send":
-            c = dcn_collective(dcn_kind(start), self.slices, start.arrays[0].bytes, self.chip)
+            c = dcn_collective(dcn_kind(start), self.slices, start.arrays[0].bytes, self.chip, self.latency)
             return Cost(collectives={(c.kind, c.axis): c})
         if start.opcode == "async-start":
             return self.computation(called(start, "calls")[0])
@@ -211,7 +216,7 @@ class _Walker:
         serial = 0.0 if instr.opcode in ASYNC_COPIES and not self.copies_in_series else max(compute, memory)
         return Cost(flops=flops, hbm_bytes=nbytes, compute_s=compute, hbm_s=memory, roofline_s=serial,
                     memory_bound_s=serial if memory > compute else 0.0, opaque_kernels=kernel and not flops,
-                    splash_kernels=kernel and flops > 0)
+                    splash_kernels=kernel and flops > 0, ops=float(serial > 0))
 
     def flops(self, instr: Instr, comp: Computation) -> float:
         """MXU FLOPs: convolutions, dots and splash's kernels, in fusions too."""
@@ -310,7 +315,8 @@ class _Walker:
         scatter = kind == "reduce-scatter" and instr.opcode.startswith("reduce-scatter")
         nbytes = instr.bytes * (n if scatter else 1)
         axis = mesh_axis(groups, self.mesh_shape)
-        seconds = collective_seconds(kind, n, nbytes, self.chip)
+        extents = torus_extents(groups, self.mesh_shape, self.torus) if kind != "collective-permute" else None
+        seconds = collective_seconds(kind, n, nbytes, self.chip, extents, self.latency)
         return Cost(collectives={(kind, axis): Collective(kind, axis, 1, nbytes, seconds, exposed=seconds)})
 
     def loop(self, instr: Instr, comp: Computation) -> Cost:
@@ -320,6 +326,20 @@ class _Walker:
         cost.unknown_loops += trips is None
         return cost
 
+
+# What each op the TensorCore runs costs beyond its compute and HBM time (its issue, its pipeline's fill and drain).
+# Google publishes no figure, and libtpu's own cost model charges none (a [8]-element multiply-add: 2 ns).
+# Fitted to the back-test (planning/backtest.py --json, `fit_op_overhead`: least squares of log measured /
+# predicted, 0-50 µs): 0 µs over the runs whose published step holds no one-time work (llama3_8b_v6e8, marin_520m,
+# marin_1_2b, maxtext_22b_v4, maxtext_16b_v5e); 3.25 µs with every run, pulled by marin_150m_v4, whose figure carries
+# its first step's compilation (docs/aot_planning.md, "Back-test"). No one constant per op explains the runs' errors:
+# per run it would have to be 0.8 to 400 µs, or negative.
+OP_OVERHEAD_S = 0.0
+# What starting a call costs the host: JAX's C++ dispatch of a jitted call with 1,000 arguments took 516 µs
+# (jit_simple_many_args_dispatch/num_args:1000, google/jax commit f5f5a00 "Replace apply_primitive internals with
+# jax.jit"), 0.52 µs an argument. Dispatch is asynchronous: it overlaps the previous call's device time, so a step
+# takes at least its call's dispatch over the steps in the call, and no longer otherwise.
+DISPATCH_S_PER_ARGUMENT = 516e-6 / 1000
 
 ASYNC_COPIES = {"copy-start", "slice-start"}
 ASYNC_COPY_DONES = {"copy-done", "slice-done"}
@@ -370,20 +390,32 @@ def estimate(compiled, chip: Chip | str, mesh, *, steps_per_call: int = 1,
     slices = len({getattr(d, "slice_index", 0) for d in mesh.devices.flat})
     return estimate_hlo(compiled.as_text(), chip, dict(mesh.shape), steps_per_call=steps_per_call,
                         model_flops_per_step=model_flops_per_step,
-                        causal_model_flops_per_step=causal_model_flops_per_step, slices=slices)
+                        causal_model_flops_per_step=causal_model_flops_per_step, slices=slices, torus=torus(mesh))
+
+
+def torus(mesh) -> np.ndarray | None:
+    """The chips' torus coordinates in mesh position order, one slice's ([devices, dims]); None off a TPU topology."""
+    first = [d for d in mesh.devices.flat if getattr(d, "slice_index", 0) == 0]
+    coords = [getattr(d, "coords", None) for d in first]
+    return None if any(c is None for c in coords) else np.asarray(coords)
 
 
 def estimate_hlo(text: str, chip: Chip | str, mesh_shape: dict[str, int], *, steps_per_call: int = 1,
                  model_flops_per_step: float | None = None, causal_model_flops_per_step: float | None = None,
-                 libtpu_vmem: bool = False, slices: int = 1) -> StepTimeEstimate:
+                 libtpu_vmem: bool = False, slices: int = 1, fixed_costs: bool = True,
+                 torus: np.ndarray | None = None) -> StepTimeEstimate:
     """`libtpu_vmem`: count on-chip memory as libtpu's cost model does — every array at the HBM rate whatever its
     memory space, an async copy into VMEM as its operand and its two-array result, then its done's result, in
     series with the ops — instead of VMEM as free and copies as DMAs beside the compute. `slices`: the slices
-    the mesh's `data` axis spans (trainer/program/mesh.py); the program text is one slice's (perf/collectives.py)."""
+    the mesh's `data` axis spans (trainer/program/mesh.py); the program text is one slice's (perf/collectives.py).
+    `torus`: the chips' coordinates in mesh position order (`torus(mesh)`), to count a collective's hops on.
+    `fixed_costs=False` leaves out the fixed costs — OP_OVERHEAD_S, the collectives' latency, the call's dispatch —
+    which libtpu's own model of an op lacks (the calibration compares the two)."""
     chip = CHIPS[chip] if isinstance(chip, str) else chip
     comps, entry = parse_hlo(re.sub(r"S\(\d+\)", "", text) if libtpu_vmem else text)
     one_slice = {**mesh_shape, "data": mesh_shape["data"] // slices} if slices > 1 else mesh_shape
-    cost = _Walker(comps, chip, one_slice, copies_in_series=libtpu_vmem, slices=slices).computation(entry)
+    cost = _Walker(comps, chip, one_slice, copies_in_series=libtpu_vmem, slices=slices, latency=fixed_costs,
+                   torus=torus).computation(entry)
     k = steps_per_call
     collectives = tuple(sorted(
         (Collective(c.kind, c.axis, c.count / k, c.bytes / k, c.seconds / k, c.exposed / k)
@@ -393,5 +425,12 @@ def estimate_hlo(text: str, chip: Chip | str, mesh_shape: dict[str, int], *, ste
         chip=chip, flops=cost.flops / k, hbm_bytes=cost.hbm_bytes / k, compute_s=cost.compute_s / k,
         hbm_s=cost.hbm_s / k, roofline_s=cost.roofline_s / k, collectives=collectives,
         model_flops=model_flops_per_step, causal_model_flops=causal_model_flops_per_step, opaque_kernels=cost.opaque_kernels / k, unknown_loops=cost.unknown_loops,
-        memory_bound_s=cost.memory_bound_s / k, splash_kernels=cost.splash_kernels / k,
+        memory_bound_s=cost.memory_bound_s / k, splash_kernels=cost.splash_kernels / k, ops=cost.ops / k,
+        fixed_s=cost.ops / k * OP_OVERHEAD_S if fixed_costs else 0.0,
+        dispatch_s=_arguments(comps[entry]) * DISPATCH_S_PER_ARGUMENT / k if fixed_costs else 0.0,
     )
+
+
+def _arguments(entry: Computation) -> int:
+    """Arrays the call takes (its entry computation's parameters, tuples flattened)."""
+    return sum(len(i.arrays) for i in entry.instrs.values() if i.opcode == "parameter")

@@ -224,7 +224,7 @@ def launch_on_fake_pod(cloud, run_dir, shakespeare, *flags, run=RUN, verb="launc
            "--run_dir", str(run_dir), "--shared_fs", "--repo", str(ROOT), "--workdir", str(cloud.root / "w"),
            "--poll_seconds", "0.5", *flags, "--", f"--data.cache_dir={shakespeare}", *run]
     env = {**cloud.env(), "PYTHONPATH": str(ROOT), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}  # the AOT check beside
-    # another user of libtpu on this machine (as tests/test_aot.py)
+    # another user of libtpu on this machine (as tests/e2e/test_aot.py)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
