@@ -45,5 +45,5 @@ def test_gpt2_124m_train_call_with_splash_compiles_for_v5e_2x4():
                 "--model.n_layer=2", devices=1,
                 env={"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "v5e:2x4 (8 devices" in r.stdout
-    assert "fits in HBM" in r.stdout and "DOES NOT FIT" not in r.stdout
+    assert "gpt2_124m on v5e:2x4 (8 chips), predicted from the compiled program" in r.stdout
+    assert "  fits        yes," in r.stdout and "kernel calls a step, costed from their block shapes" in r.stdout
