@@ -18,7 +18,7 @@ $(BASE): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e .
 	touch $@
 
-# mup (tests/test_mup.py's reference μP) without its dependencies: it asks for torchvision, whose build for torch
+# mup (tests/unit/test_mup.py's reference μP) without its dependencies: it asks for torchvision, whose build for torch
 # 2.13 breaks transformers' import ("operator torchvision::nms does not exist"); it needs none beyond pandas
 $(DEV): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[dev]'

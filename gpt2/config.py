@@ -96,7 +96,7 @@ class GPT2Config(Checked, section="model"):
         return (self.vocab_size + m - 1) // m * m
 
     # ---- μP (standard: m = 1, every multiplier 1 and the scale 1/√K) -------------------------------------
-    # As the `mup` package assigns them (tests/test_mup.py checks against it, parameter by parameter), in the
+    # As the `mup` package assigns them (tests/unit/test_mup.py checks against it, parameter by parameter), in the
     # MuReadout form of Tensor Programs V's Table 8. A hidden matrix (both dimensions grow with the width: c_attn,
     # c_proj, c_fc) is initialized with std × 1/√m and learns at 1/m of Adam's rate (trainer/program/optimizer.py);
     # wte, wpe, biases and norms keep their init and rate. The tied head: wte is also the readout, as in mup's

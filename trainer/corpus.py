@@ -24,14 +24,26 @@ def resolve_corpus(data: DataConfig, *, vocab_size: int, seq_len: int, prepare: 
                           " (docs/pods.md, Token files on a pod)")
     if data.dataset == EMBEDDED:
         directory = Path(data.cache_dir).expanduser()
+        if directory.exists() and not directory.is_dir():
+            raise ConfigError(f"data.cache_dir={data.cache_dir} is a file; the embedded corpus is tokenized into a"
+                              " directory: pass a directory (it is made if missing), or a prepared corpus with"
+                              " --data.dataset=DIR")
         if prepare:
-            from data.prepare import prepare_shakespeare  # the corpus writer: only for the embedded corpus
-
-            on_process_0(lambda: prepare_shakespeare(directory, quiet=(directory / "meta.json").exists()),
+            on_process_0(lambda: _prepare_embedded(directory, data.cache_dir),
                          f"prepare the embedded corpus in {directory}")
     else:
         directory = Path(data.dataset).expanduser()
     return open_corpus(directory, vocab_size=vocab_size, min_tokens=seq_len + 1)
+
+
+def _prepare_embedded(directory: Path, given: str) -> None:
+    from data.prepare import prepare_shakespeare  # the corpus writer: only for the embedded corpus
+
+    try:
+        prepare_shakespeare(directory, quiet=(directory / "meta.json").exists())
+    except OSError as e:  # a directory the user cannot write to: a UserError, so every process ends with it
+        raise ConfigError(f"data.cache_dir={given}: cannot tokenize the embedded corpus there ({e.strerror or e});"
+                          " pass a directory you can write to") from e
 
 
 def train_loader_config(cfg: Config) -> LoaderConfig:

@@ -41,6 +41,9 @@ def train_error(tmp_path, shakespeare, *args):
         ([f"--data.dataset={ROOT}/data/assets/shakespeare.jsonl.xz"],
          f"{ROOT}/data/assets/shakespeare.jsonl.xz is a file, not a prepared corpus directory; tokenize it first:"
          f" python -m data.prepare --source {ROOT}/data/assets/shakespeare.jsonl.xz --out_dir DIR, then pass DIR"),
+        ([f"--data.cache_dir={ROOT}/data/assets/shakespeare.jsonl.xz"],
+         f"data.cache_dir={ROOT}/data/assets/shakespeare.jsonl.xz is a file; the embedded corpus is tokenized into a"
+         " directory: pass a directory (it is made if missing), or a prepared corpus with --data.dataset=DIR"),
         (["--optim.grad_clip=nan"], "optim.grad_clip must be a finite number >= 0, got nan"),
         (["--optim.lr=inf"], "optim.lr must be a finite number > 0, got inf"),
         (["--optim.lr=nan"], "optim.lr must be a finite number > 0, got nan"),

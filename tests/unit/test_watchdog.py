@@ -1,5 +1,5 @@
 """The stall watchdog in-process (its ending recorded instead of exiting): the timeout rule, what it writes,
-what keeps it quiet. tests/test_multiprocess.py stalls real 2-process jobs."""
+what keeps it quiet. tests/e2e/test_multiprocess.py stalls real 2-process jobs."""
 
 import threading
 import time
@@ -109,7 +109,7 @@ def test_a_peers_stall_writes_this_processes_stacks_too(tmp_path):
 
 
 def test_zero_is_a_valid_setting_and_a_zero_floor_is_not():
-    """(NaN, infinite and negative values of both: tests/test_config.py's sweep of every numeric field.)"""
+    """(NaN, infinite and negative values of both: tests/unit/test_config.py's sweep of every numeric field.)"""
     import dataclasses
 
     from configs.base import Config, DistributedConfig

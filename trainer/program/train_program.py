@@ -206,7 +206,7 @@ class TrainProgram:
         the parameters psums every micro-batch's gradient unless check_vma is off.)
 
         Dropout: micro-batch a of shard s draws its masks from the step's a-th key folded with s, so shards
-        differ; the result is that of the same computation run shard by shard (tests/test_train_step.py).
+        differ; the result is that of the same computation run shard by shard (tests/unit/test_train_step.py).
         """
         A, rules, mesh = self.config.train.grad_accum, self.layout.rules, self.mesh
         shard_axes = rules.replica_batch_axes()

@@ -1,4 +1,4 @@
-"""train.py's stand-in for the launcher's fast tests (tests/test_pod.py), on single-host slices: an attempt that
+"""train.py's stand-in for the launcher's fast tests (tests/e2e/test_pod.py), on single-host slices: an attempt that
 waits while <run_dir>/hold exists, then ends with the status in <run_dir>/exit (taken: the next attempt finds none,
 and exits 0), recorded in <run_dir>/events.jsonl as train.py records an attempt."""
 

@@ -1,7 +1,7 @@
 """Wrote this directory with the trainer at 5f6b514 (before the spike guard's statistics moved into the optimizer
 state): `git worktree add /tmp/old 5f6b514 && cd /tmp/old && PYTHONPATH=. python .../make.py OUT`. For each of
 guard on (`guard/`) and off (`plain/`): a checkpoint at step 4 and state.npz, the state's leaves by path plus the
-parameters after one more call ("next..."), which tests/test_checkpoint_compat.py compares a restore with."""
+parameters after one more call ("next..."), which tests/unit/test_checkpoint_compat.py compares a restore with."""
 
 import dataclasses
 import sys
