@@ -1,10 +1,13 @@
 """Ahead-of-time compilation of the real train call for TPU topologies (libtpu, no TPU needed), as a user meets it.
 
-The suite's one compile of a real preset: gpt2_124m on v5e:2x4, by `plan.py` run as a user runs it (no
-JAX_PLATFORMS, libtpu installed) into a store of its own, which this process then reads back for the step-time
-model's checks. Everything else compiles a tiny model. The report's lines with known figures, in-process:
+The suite's one compile of a real preset: gpt2_124m on v5e:2x4 (its widths, batch, micro-batches, mesh, splash
+attention and flags; two of its twelve layers, which it unrolls: copies of one block, whose kernels and cross-layer
+schedule two layers show in a sixth of the compile), by `plan.py` run as a user runs it (no JAX_PLATFORMS, libtpu
+installed) into a store of its own, which this process then reads back for the step-time model's checks. Everything
+else compiles a tiny model. The report's lines with known figures, in-process:
 tests/unit/test_aot.py; libtpu's environment: tests/unit/test_libtpu_env.py."""
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -38,11 +41,15 @@ def libtpu_noise(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if any(mark in line for mark in LIBTPU_NOISE)]
 
 
+LAYERS = 2  # of gpt2_124m's 12
+
+
 @pytest.fixture(scope="module")
 def gpt2_124m(tmp_path_factory):
     """(plan.py's run for gpt2_124m on v5e:2x4, the store it compiled into)."""
     home = tmp_path_factory.mktemp("home")
-    r = run_as_a_user("plan.py", "--config", "gpt2_124m", "--topology", "v5e:2x4", home=home)
+    r = run_as_a_user("plan.py", "--config", "gpt2_124m", "--topology", "v5e:2x4", f"--model.n_layer={LAYERS}",
+                      home=home)
     return r, home / ".cache" / "gpt2_nnx" / "aot"
 
 
@@ -76,6 +83,7 @@ def test_gpt2_124m_on_v5e_2x4_gets_an_estimate_its_fixed_costs_move_by_under_3_p
 
     monkeypatch.setattr(compile_store, "STORE", str(gpt2_124m[1]))
     cfg = configs.load("gpt2_124m")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layer=LAYERS))
     program, mesh = compile_train_call(cfg, "v5e:2x4")
     assert program.from_store  # plan.py's compile, not a second one
     t = cfg.train

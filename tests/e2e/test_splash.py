@@ -1,6 +1,6 @@
-"""Splash attention compiled for TPU topologies with libtpu (no TPU): "auto" picks the kernel when the mesh's devices
-are TPUs, and a GPT-2 train call with splash compiles for v5e:2x4 and fits. The kernel's numbers, run in Pallas's
-interpret mode on CPU: tests/unit/test_splash.py.
+"""Splash attention compiled for a TPU topology with libtpu (no TPU): "auto" picks the kernel when the mesh's devices
+are TPUs. gpt2_124m's train call with it, compiled for v5e:2x4: tests/e2e/test_aot.py. The kernel's numbers, run in
+Pallas's interpret mode on CPU: tests/unit/test_splash.py.
 """
 
 import subprocess
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from support.cli import ROOT, cli_env, run_cli
+from support.cli import ROOT, cli_env
 
 AUTO_ON_TPU = """
 import numpy as np, jax, jax.numpy as jnp
@@ -35,15 +35,3 @@ def test_auto_picks_the_compiled_kernel_for_a_tpu_topology():
                        env=cli_env(1, {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}))
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip() == "True"
-
-
-def test_gpt2_124m_train_call_with_splash_compiles_for_v5e_2x4():
-    """gpt2_124m's widths, heads and sequence length; two of its twelve layers (the layers are one scanned body, so
-    two compile the same kernels as twelve, in a fifth of the time)."""
-    pytest.importorskip("libtpu", reason="the `tpu` extra brings libtpu")
-    r = run_cli("plan.py", "--config", "gpt2_124m", "--topology", "v5e:2x4", "--model.attention=splash",
-                "--model.n_layer=2", devices=1,
-                env={"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "gpt2_124m on v5e:2x4 (8 chips), predicted from the compiled program" in r.stdout
-    assert "  fits        yes," in r.stdout and "kernel calls a step, costed from their block shapes" in r.stdout
