@@ -99,9 +99,6 @@ COLLECTIVE_FLAGS = {
          "xla_tpu_use_bundle_aware_cost_model_for_fusions": "false"}),
 }
 
-# jax._src.hardware_utils.TpuVersion's names for the generations above
-_GENERATIONS = {"v4": "v4", "v5e": "v5e", "v5p": "v5p", "v6e": "v6e"}
-
 # A machine without a TPU: libtpu runs as one host of its own (see the module docstring)
 NO_TPU = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1"}
 
@@ -114,7 +111,7 @@ def configure(environ=os.environ) -> None:
         for name, value in NO_TPU.items():
             environ.setdefault(name, value)
         return
-    shipped = COLLECTIVE_FLAGS.get(_GENERATIONS.get(getattr(version, "name", ""), ""))
+    shipped = COLLECTIVE_FLAGS.get(getattr(version, "name", ""))  # COLLECTIVE_FLAGS is keyed by TpuVersion's names
     if shipped is not None and INIT_ARGS not in environ:
         environ[INIT_ARGS] = shipped.init_args()
 
