@@ -34,7 +34,7 @@ def launch(command: list[str], num_processes: int, devices_per_process: int, *, 
         child_env = {
             **os.environ, **(env or {}),
             "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}",
+            "XLA_FLAGS": _xla_flags(devices_per_process),
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
             "JAX_NUM_PROCESSES": str(num_processes),
             "JAX_PROCESS_ID": str(pid),
@@ -46,6 +46,13 @@ def launch(command: list[str], num_processes: int, devices_per_process: int, *, 
     for s in (signal.SIGTERM, signal.SIGINT):  # preemption reaches every "host"
         signal.signal(s, forward)
     return _wait(procs, grace)
+
+
+def _xla_flags(devices: int) -> str:
+    """The caller's own XLA flags (a dump directory, say) with this launcher's device count in place of theirs."""
+    count = "--xla_force_host_platform_device_count"
+    own = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
+    return " ".join([*own, f"{count}={devices}"])
 
 
 def _relay(p: subprocess.Popen, pid: int) -> None:
