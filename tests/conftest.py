@@ -1,5 +1,5 @@
-"""Test set-up for both tiers (tests/unit: in-process; tests/e2e: runs and processes): 8 fake CPU devices and XLA's
-quickest CPU code generation (tests/support/xla.py; set before JAX is imported), one JAX compilation cache for the
+"""Test set-up for both tiers (tests/unit: in-process; tests/e2e: runs and processes): 8 fake CPU devices
+(tests/support/xla.py; set before JAX is imported), one JAX compilation cache for the
 session (shared by every subprocess, so a program compiled by one CLI run is loaded by the next), the shared
 tokenized corpus, and the GCS server fixtures. Helpers, fakes and servers are in tests/support.
 """
