@@ -1,7 +1,7 @@
-"""Test set-up for both tiers (tests/unit: in-process; tests/e2e: runs and processes): 8 fake CPU devices
-(tests/support/xla.py; set before JAX is imported), one JAX compilation cache for the
-session (shared by every subprocess, so a program compiled by one CLI run is loaded by the next), the shared
-tokenized corpus, and the GCS server fixtures. Helpers, fakes and servers are in tests/support.
+"""Test set-up for both tiers (tests/unit: in-process; tests/e2e: runs and processes): 8 fake CPU devices (set before
+JAX is imported), one JAX compilation cache for the session (shared by every subprocess, so a program compiled by one
+CLI run is loaded by the next), the shared tokenized corpus, and the GCS server fixtures. Helpers, fakes and servers
+are in tests/support/.
 """
 
 import collections
@@ -10,10 +10,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from support.xla import xla_flags  # noqa: E402  (no JAX in it)
-
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags(8)}"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 # JAX's persistent compilation cache: each pytest session (and its xdist workers, which inherit the variable

@@ -17,7 +17,6 @@ import train as train_app
 from support.cli import ROOT, run_main
 from tools.launch import free_port
 from support.processes import COMMON, checkpoints_of, end_both, losses, start_processes, wait_for_steps
-from support.xla import xla_flags
 
 
 def launch(run_dir, shakespeare, *extra, num_processes=2, devices=4, timeout=600):
@@ -231,7 +230,7 @@ def test_an_error_on_either_process_ends_both_in_one_line_each(tmp_path, failer)
     dispatched the next call and waits inside its collective."""
     port, procs = free_port(), []
     for pid in range(2):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(2),
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid)}
         procs.append(subprocess.Popen([sys.executable, "-c", JOB, str(failer)], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

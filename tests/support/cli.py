@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from support.xla import xla_flags
-
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 # A CLI run small enough for the test budget: 2 layers, width 32, 32-token windows. decay_steps is fixed so
@@ -27,7 +25,7 @@ SMALL = [
 
 
 def cli_env(devices: int = 8, env: dict | None = None) -> dict:
-    return {**os.environ, "XLA_FLAGS": xla_flags(devices), "JAX_PLATFORMS": "cpu",
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
             **(env or {})}
 
 

@@ -39,8 +39,6 @@ import threading
 import time
 from pathlib import Path
 
-xla_flags = __import__("support.xla" if __package__ else "xla", fromlist=["xla_flags"]).xla_flags  # or as a script
-
 HOSTS = {"v4-16": 2, "v4-8": 1, "v5litepod-16": 4, "v5litepod-8": 1}  # accelerator type -> hosts (its own table)
 CHIPS_PER_HOST = {"v4-16": 4, "v4-8": 4, "v5litepod-16": 4, "v5litepod-8": 8}
 TOOLS = ("gcloud", "xpk", "kubectl", "sbatch", "squeue", "sacct", "scancel", "srun", "scontrol")
@@ -188,7 +186,7 @@ def _host_env(root: Path, home: Path, chips: int, **extra: str) -> dict:
             "SLURM_", "FAKE_")  # (the JAX compilation cache stays shared, as the tests' other processes share it)
     env = {k: v for k, v in os.environ.items() if not k.startswith(mine) and k != "PYTHONPATH"}
     env.update(HOME=str(home), PATH=f"{root / 'image'}:{root / 'bin'}:{env['PATH']}", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=xla_flags(int(os.environ.get("FAKE_CLOUD_DEVICES", chips))),
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={os.environ.get('FAKE_CLOUD_DEVICES', chips)}",
                FAKE_CLOUD_ROOT=str(root), **extra)
     return env
 

@@ -8,7 +8,6 @@ import sys
 import time
 
 from support.cli import ROOT, SMALL, read_jsonl
-from support.xla import xla_flags
 from tools.launch import free_port
 
 # The default end-of-run sample is on (it runs on every process: the parameters span them all).
@@ -25,7 +24,7 @@ def start_processes(run_dir, shakespeare, *extra, stderr=subprocess.PIPE, env=No
     forward signals)."""
     port, procs, extra_env = free_port(), [], env or {}
     for pid in range(2):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(4),
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid),
                **extra_env}
         procs.append(subprocess.Popen(
