@@ -1,12 +1,15 @@
 """Our GPT-2 124M train call on a GPU beside nanoGPT's own `bench.py` (torch.compile), same shape, one command.
 
     python -m benchmarks.gpu_vs_nanogpt --nanogpt ~/nanoGPT            # on a CUDA machine
+    python -m benchmarks.gpu_vs_nanogpt --nanogpt ~/nanoGPT --batch 12 32 64 --attention cudnn   # batch scaling
+    python -m benchmarks.gpu_vs_nanogpt --attention cudnn --xla-flags=--xla_gpu_enable_cublaslt=true   # a flag's row
     python -m benchmarks.gpu_vs_nanogpt --nanogpt ~/nanoGPT --json out.json
 
-The shape is bench.py's: 12 sequences of 1024 tokens per step, GPT-2 124M with biases (`--bias=True`, as GPT-2),
-the vocabulary padded to 50,304, no dropout, random tokens, bfloat16 compute with float32 parameters (torch's
-autocast), AdamW. Ours runs `steps_per_call` optimizer steps per jitted call (this project's default) with
-`--model.attention=cudnn` and `xla`. Each measurement runs in its own process, so each framework has the GPU to
+The shape is bench.py's: 12 sequences of 1024 tokens per step (`--batch` runs both at other batches too), GPT-2
+124M with biases (`--bias=True`, as GPT-2), the vocabulary padded to 50,304, no dropout, random tokens, bfloat16
+compute with float32 parameters (torch's autocast), AdamW. Ours runs `steps_per_call` optimizer steps per jitted
+call (this project's default) with `--model.attention=cudnn` and `xla`; `--xla-flags` adds rows of ours (cuDNN
+attention) under those XLA_FLAGS. Each row runs in its own process, so each framework and setting has the GPU to
 itself; the figures are medians of timed calls after warm-up (compilation excluded).
 
 MFU is printed in both conventions: 6N + non-causal attention (PaLM, nanoGPT's `estimate_mfu`, this project) and
@@ -17,14 +20,18 @@ the tokens/s ratio; nanoGPT's own printed MFU is against an A100's 312 TFLOP/s a
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import json
+import os
 import re
 import statistics
 import subprocess
 import sys
 import time
 
-BATCH, SEQ = 12, 1024
+SEQ = 1024
+NANOGPT_BATCH = 12  # bench.py's default
 
 
 def model_config(attention: str):
@@ -35,8 +42,8 @@ def model_config(attention: str):
                            document_positions=False)
 
 
-def ours(attention: str, k: int, calls: int) -> dict:
-    """tokens/s of our jitted K-step train call, on one GPU."""
+def ours(attention: str, batch: int, k: int, calls: int, profile: str | None = None) -> dict:
+    """tokens/s of our jitted K-step train call, on one GPU; with `profile` (a folder), where one call's time goes."""
     import jax
     import numpy as np
 
@@ -44,86 +51,163 @@ def ours(attention: str, k: int, calls: int) -> dict:
     from trainer.program.mesh import make_mesh
     from trainer.program.train_program import TrainProgram
 
-    cfg = Config(model=model_config(attention), train=TrainConfig(batch_size=BATCH, seq_len=SEQ, steps_per_call=k,
+    cfg = Config(model=model_config(attention), train=TrainConfig(batch_size=batch, seq_len=SEQ, steps_per_call=k,
                                                                   steps=100_000),
                  optim=OptimConfig(lr=1e-4, warmup_steps=10, weight_decay=1e-2))
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     program = TrainProgram.build(cfg, mesh)
-    tokens = np.random.RandomState(0).randint(0, 50257, (k, BATCH, SEQ + 1)).astype(np.int32)
+    tokens = np.random.RandomState(0).randint(0, 50257, (k, batch, SEQ + 1)).astype(np.int32)
     with jax.set_mesh(mesh):
         call = program.train_call()
-        batch = jax.device_put(tokens, program.batch_sharding)
+        rows = jax.device_put(tokens, program.batch_sharding)
         active = np.ones(k, bool)
         state = program.init_state()
         times = []
         for i in range(calls + 2):  # two warm-up calls: compilation, then the first donated-buffer call
             started = time.perf_counter()
-            state, metrics = call(state, batch, active)
+            state, metrics = call(state, rows, active)
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - started)
+        if profile:  # one more call, traced after the timed ones so the trace does not slow them
+            with jax.profiler.trace(profile):
+                state, metrics = call(state, rows, active)
+                jax.block_until_ready(metrics)
     step_s = statistics.median(times[2:]) / k
-    return {"step_s": step_s, "tokens_per_s": BATCH * SEQ / step_s, "device": jax.devices()[0].device_kind,
-            "loss": float(np.asarray(metrics["loss"]).reshape(-1)[-1])}
+    r = {"step_s": step_s, "tokens_per_s": batch * SEQ / step_s, "device": jax.devices()[0].device_kind,
+         "loss": float(np.asarray(metrics["loss"]).reshape(-1)[-1])}
+    if profile:
+        traces = sorted(glob.glob(os.path.join(profile, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+        r["kernel_ms_per_step"] = {kind: ns / 1e6 / k for kind, ns in kernel_time(traces[-1]).most_common()}
+    return r
 
 
-def nanogpt(path: str) -> dict:
+def kernel_kind(kernel: str) -> str:
+    """What a GPU kernel of ours is, by its name: a cuBLAS matmul, cuDNN's attention, or one of XLA's fusions
+    (elementwise work and reductions: memory-bound on this model)."""
+    if kernel.startswith("nvjet") or "gemm" in kernel:
+        return "matmuls (cuBLAS)"
+    if "sdpa" in kernel or "cudnn" in kernel:
+        return "attention (cuDNN)"
+    if "fusion" in kernel or kernel.startswith("wrapped_"):
+        return "XLA fusions"
+    return "other (copies, memsets)"
+
+
+def kernel_time(xplane: str) -> collections.Counter:
+    """Nanoseconds of GPU kernel time by `kernel_kind`, summed over every stream of a jax.profiler trace."""
+    from jax.profiler import ProfileData
+
+    by_kind = collections.Counter()
+    for plane in ProfileData.from_file(xplane).planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                for event in line.events:
+                    by_kind[kernel_kind(event.name)] += event.duration_ns
+    return by_kind
+
+
+def nanogpt(path: str, batch: int) -> dict:
     """nanoGPT's bench.py as its README runs it, on random data with GPT-2's biases; its own timing loop."""
-    cmd = [sys.executable, "bench.py", "--real_data=False", "--bias=True", f"--batch_size={BATCH}",
+    cmd = [sys.executable, "bench.py", "--real_data=False", "--bias=True", f"--batch_size={batch}",
            f"--block_size={SEQ}", "--compile=True"]
     out = subprocess.run(cmd, cwd=path, capture_output=True, text=True, timeout=900)
     found = re.search(r"time per iteration: ([\d.]+)ms", out.stdout)
     if out.returncode != 0 or not found:
         return {"error": (out.stderr or out.stdout)[-2000:]}
     step_s = float(found.group(1)) / 1000
-    return {"step_s": step_s, "tokens_per_s": BATCH * SEQ / step_s, "command": " ".join(cmd)}
+    return {"step_s": step_s, "tokens_per_s": batch * SEQ / step_s, "command": " ".join(cmd)}
 
 
 def child(args) -> None:
     """One measurement in this process; prints one JSON line."""
-    r = nanogpt(args.nanogpt) if args.only == "nanogpt" else ours(args.only, args.k, args.calls)
+    if args.only == "nanogpt":
+        r = nanogpt(args.nanogpt, args.batch[0])
+    else:
+        r = ours(args.only, args.batch[0], args.k, args.calls, args.profile)
     print("RESULT " + json.dumps(r), flush=True)
 
 
-def measure(name: str, args) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.gpu_vs_nanogpt", "--only", name, "--k", str(args.k),
-           "--calls", str(args.calls), "--nanogpt", args.nanogpt or ""]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+def measure(name: str, batch: int, args, xla_flags: str | None = None) -> dict:
+    """One row in its own process, so that each framework and setting has the GPU (and XLA_FLAGS) to itself."""
+    import os
+
+    cmd = [sys.executable, "-m", "benchmarks.gpu_vs_nanogpt", "--only", name, "--batch", str(batch),
+           "--k", str(args.k), "--calls", str(args.calls), "--nanogpt", args.nanogpt or ""]
+    if args.profile and name != "nanogpt":
+        cmd += ["--profile", os.path.join(args.profile, f"{name}_b{batch}" + re.sub(r"\W+", "_", xla_flags or ""))]
+    env = dict(os.environ)
+    if xla_flags:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
+    started = time.perf_counter()
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within --timeout {args.timeout} s"}
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
         return {"error": (out.stderr or out.stdout)[-2000:]}
-    return json.loads(lines[-1][len("RESULT "):])
+    return dict(json.loads(lines[-1][len("RESULT "):]), wall_s=round(time.perf_counter() - started, 1))
+
+
+def plan_rows(args) -> list[tuple[str, str, int, str | None]]:
+    """(label, child, batch, XLA_FLAGS) for every row, bench.py's shape first so a cut-short run still compares."""
+    rows = []
+    for batch in args.batch:
+        rows += [(f"ours, attention={a}", a, batch, None) for a in args.attention]
+        rows += [("nanoGPT bench.py", "nanogpt", batch, None)] if args.nanogpt else []
+        rows += [(f"ours, cudnn, {f}", "cudnn", batch, f) for f in args.xla_flags]
+    return rows
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nanogpt", default=None, help="a checkout of karpathy/nanoGPT (bench.py, model.py)")
+    p.add_argument("--batch", type=int, nargs="+", default=[NANOGPT_BATCH], help="sequences of 1024 per step")
+    p.add_argument("--attention", nargs="+", default=["cudnn", "xla"], choices=["cudnn", "xla"])
+    p.add_argument("--xla-flags", action="append", default=[],
+                   help="an extra row of ours (cudnn) under these XLA_FLAGS; repeat for more rows. Give it with '=', "
+                        "as its value starts with '--': --xla-flags=--xla_gpu_enable_cublaslt=true")
+    p.add_argument("--k", type=int, default=10, help="our optimizer steps per jitted call")
+    p.add_argument("--calls", type=int, default=5, help="our timed calls (after two warm-up calls)")
+    p.add_argument("--profile", default=None, help="a folder: trace one more call of each row of ours there and "
+                   "print its GPU kernel time by kind (matmuls, attention, XLA fusions)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds for each row's process")
+    p.add_argument("--only", default=None, choices=["cudnn", "xla", "nanogpt"], help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nanogpt", default=None, help="a checkout of karpathy/nanoGPT (bench.py, model.py)")
-    p.add_argument("--k", type=int, default=10, help="our optimizer steps per jitted call")
-    p.add_argument("--calls", type=int, default=5, help="our timed calls (after two warm-up calls)")
-    p.add_argument("--only", default=None, choices=["cudnn", "xla", "nanogpt"], help=argparse.SUPPRESS)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    args = parse(argv)
     if args.only:
         child(args)
         return 0
-    rows = {name: measure(name, args) for name in ["cudnn", "xla"] + (["nanogpt"] if args.nanogpt else [])}
     import jax
 
     from trainer.hardware import peak_flops_per_device
 
     device, peak = jax.devices()[0].device_kind, peak_flops_per_device(None)
-    print(f"GPT-2 124M, {BATCH}x{SEQ} tokens per step, bf16 compute, on {device} (peak {peak / 1e12:.0f} TFLOP/s)")
-    print(f"{'':<22} {'ms/step':>8} {'tokens/s':>10} {'MFU 6N+full':>12} {'MFU 6N+causal':>14}")
-    for name, r in rows.items():
-        label = {"cudnn": "ours, attention=cudnn", "xla": "ours, attention=xla", "nanogpt": "nanoGPT bench.py"}[name]
+    print(f"GPT-2 124M, sequences of {SEQ} tokens, bf16 compute, on {device} (peak {peak / 1e12:.0f} TFLOP/s)")
+    print(f"{'':<34} {'batch':>5} {'ms/step':>8} {'tokens/s':>10} {'MFU 6N+full':>12} {'MFU 6N+causal':>14}",
+          flush=True)
+    results = []
+    for label, name, batch, flags in plan_rows(args):
+        r = dict(measure(name, batch, args, flags), label=label, batch=batch, xla_flags=flags)
+        results.append(r)
         if "error" in r:
-            print(f"{label:<22} failed: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}")
-            continue
-        mfu = [r["tokens_per_s"] * model_config("xla").flops_per_token(SEQ, causal=c) / peak for c in (False, True)]
-        r.update(mfu_6n_full=mfu[0], mfu_6n_causal=mfu[1])
-        print(f"{label:<22} {r['step_s'] * 1e3:8.1f} {r['tokens_per_s']:10,.0f} {mfu[0]:11.1%} {mfu[1]:13.1%}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "peak_flops": peak, "rows": rows}, f, indent=2)
+            last = r["error"].strip().splitlines()[-1] if r["error"].strip() else "?"
+            print(f"{label:<34} {batch:5d} failed: {last}", flush=True)
+        else:
+            flops = model_config("xla").flops_per_token
+            r.update(mfu_6n_full=r["tokens_per_s"] * flops(SEQ, causal=False) / peak,
+                     mfu_6n_causal=r["tokens_per_s"] * flops(SEQ, causal=True) / peak)
+            print(f"{label:<34} {batch:5d} {r['step_s'] * 1e3:8.1f} {r['tokens_per_s']:10,.0f} "
+                  f"{r['mfu_6n_full']:11.1%} {r['mfu_6n_causal']:13.1%}", flush=True)
+            for kind, ms in r.get("kernel_ms_per_step", {}).items():
+                print(f"    {kind:<30} {ms:8.2f} ms/step", flush=True)
+        if args.json:  # after every row: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"device": device, "peak_flops": peak, "rows": results}, f, indent=2)
     return 0
 
 
