@@ -22,6 +22,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint._src.metadata import array_metadata_store  # what Orbax's default jax.Array handler is given
 
 from configs import from_dict
 from configs.base import CheckpointConfig, Config
@@ -33,6 +34,13 @@ from trainer.storage.retries import outage_note
 STATE, DATA, META = "state", "data", "meta"
 DAMAGED = "checkpoints.damaged"  # beside checkpoints/: where unreadable checkpoints are moved, never deleted
 
+# Orbax's replica-parallel saving (its default off GPU) has each replica of a shard write a slice of it, so a
+# pod's save spreads its bytes over every host; each slice is a device op, compiled per shape on a process's
+# first save. Below this many bytes per slice the ops cost more than the bytes they spread (a small CPU run's
+# first save compiled ~70 of them, for its small matrices, biases and LayerNorm scales): such arrays are written
+# whole by one replica. A pod's sharded matrices stay parallel (gpt2_xl_pod's on v5e-256: 40 KiB and up a slice).
+MIN_REPLICA_SLICE_BYTES = 32 * 1024
+
 
 class Checkpoints:
     """The run's `checkpoints/` directory."""
@@ -40,6 +48,7 @@ class Checkpoints:
     def __init__(self, run_dir: str | os.PathLike, cfg: CheckpointConfig, *, read_only: bool = False,
                  save_statistics=None):
         run_dir = absolute(run_dir)  # Orbax wants absolute paths
+        _write_small_arrays_from_one_replica()
         self.run_dir = run_dir
         self._before_save: list[Callable[[], None]] = []
         self.directory = run_dir / "checkpoints"
@@ -177,6 +186,19 @@ class Checkpoints:
     def close(self) -> None:
         self.manager.close()
         logging.getLogger("absl").removeHandler(self._writer_failure)
+
+
+def _write_small_arrays_from_one_replica() -> None:
+    """jax.Array's Orbax handler as Orbax registers it, with MIN_REPLICA_SLICE_BYTES as its replica-parallel gate."""
+    handler = ocp.type_handlers.ArrayHandler(array_metadata_store=array_metadata_store.Store(),
+                                             min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES)
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # Orbax warns of every override; this one is ours
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    finally:
+        absl.setLevel(level)
 
 
 class _WriterFailure(logging.Handler):
