@@ -106,11 +106,14 @@ def test_gpt2_124m_on_v5e_2x4_gets_an_estimate_its_fixed_costs_move_by_under_3_p
     assert f"step        {e.predicted_s * 1e3:.1f} ms;" in gpt2_124m[0].stdout
 
 
-def test_training_without_a_tpu_prints_no_libtpu_lines(shakespeare, tmp_path):
+def test_training_and_evaluating_without_a_tpu_print_no_libtpu_lines(shakespeare, tmp_path):
     r = run_as_a_user("train.py", *SMALL, "--train.steps=2", f"--data.dataset={shakespeare}",
                       f"--run_dir={tmp_path / 'run'}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert not libtpu_noise(r.stderr), r.stderr[-3000:]
+    r = run_as_a_user("eval.py", f"--run_dir={tmp_path / 'run'}", "--batches=1", "--no-wandb")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "val_loss" in r.stdout + r.stderr and not libtpu_noise(r.stderr), r.stderr[-3000:]
 
 
 TINY = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=64", "--model.block_size=128",
