@@ -72,22 +72,25 @@ def ours(attention: str, batch: int, k: int, calls: int, profile: str | None = N
             with jax.profiler.trace(profile):
                 state, metrics = call(state, rows, active)
                 jax.block_until_ready(metrics)
+    from trainer.hardware import peak_flops_per_device
+
     step_s = statistics.median(times[2:]) / k
     r = {"step_s": step_s, "tokens_per_s": batch * SEQ / step_s, "device": jax.devices()[0].device_kind,
-         "loss": float(np.asarray(metrics["loss"]).reshape(-1)[-1])}
-    if profile:
-        traces = sorted(glob.glob(os.path.join(profile, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+         "peak_flops": peak_flops_per_device(None), "loss": float(np.asarray(metrics["loss"]).reshape(-1)[-1])}
+    traces = sorted(glob.glob(os.path.join(profile, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime) \
+        if profile else []
+    if traces:
         r["kernel_ms_per_step"] = {kind: ns / 1e6 / k for kind, ns in kernel_time(traces[-1]).most_common()}
     return r
 
 
 def kernel_kind(kernel: str) -> str:
-    """What a GPU kernel of ours is, by its name: a cuBLAS matmul, cuDNN's attention, or one of XLA's fusions
-    (elementwise work and reductions: memory-bound on this model)."""
-    if kernel.startswith("nvjet") or "gemm" in kernel:
-        return "matmuls (cuBLAS)"
+    """What a GPU kernel of ours is, by its name: cuDNN's attention, a matmul (cuBLAS's, or an XLA GEMM fusion),
+    or one of XLA's other fusions (elementwise work and reductions: memory-bound on this model)."""
     if "sdpa" in kernel or "cudnn" in kernel:
         return "attention (cuDNN)"
+    if kernel.startswith("nvjet") or "gemm" in kernel:
+        return "matmuls"
     if "fusion" in kernel or kernel.startswith("wrapped_"):
         return "XLA fusions"
     return "other (copies, memsets)"
@@ -100,17 +103,20 @@ def kernel_time(xplane: str) -> collections.Counter:
     by_kind = collections.Counter()
     for plane in ProfileData.from_file(xplane).planes:
         if plane.name.startswith("/device:GPU"):
-            for line in plane.lines:
+            for line in (line for line in plane.lines if line.name.startswith("Stream")):
                 for event in line.events:
                     by_kind[kernel_kind(event.name)] += event.duration_ns
     return by_kind
 
 
-def nanogpt(path: str, batch: int) -> dict:
+def nanogpt(path: str, batch: int, timeout: int) -> dict:
     """nanoGPT's bench.py as its README runs it, on random data with GPT-2's biases; its own timing loop."""
     cmd = [sys.executable, "bench.py", "--real_data=False", "--bias=True", f"--batch_size={batch}",
            f"--block_size={SEQ}", "--compile=True"]
-    out = subprocess.run(cmd, cwd=path, capture_output=True, text=True, timeout=900)
+    try:  # inside the row's own limit, so that bench.py never outlives its row and takes the GPU from the next
+        out = subprocess.run(cmd, cwd=path, capture_output=True, text=True, timeout=max(timeout - 30, 1))
+    except subprocess.TimeoutExpired:
+        return {"error": f"bench.py gave no result within {max(timeout - 30, 1)} s"}
     found = re.search(r"time per iteration: ([\d.]+)ms", out.stdout)
     if out.returncode != 0 or not found:
         return {"error": (out.stderr or out.stdout)[-2000:]}
@@ -121,7 +127,7 @@ def nanogpt(path: str, batch: int) -> dict:
 def child(args) -> None:
     """One measurement in this process; prints one JSON line."""
     if args.only == "nanogpt":
-        r = nanogpt(args.nanogpt, args.batch[0])
+        r = nanogpt(args.nanogpt, args.batch[0], args.timeout)
     else:
         r = ours(args.only, args.batch[0], args.k, args.calls, args.profile)
     print("RESULT " + json.dumps(r), flush=True)
@@ -129,8 +135,6 @@ def child(args) -> None:
 
 def measure(name: str, batch: int, args, xla_flags: str | None = None) -> dict:
     """One row in its own process, so that each framework and setting has the GPU (and XLA_FLAGS) to itself."""
-    import os
-
     cmd = [sys.executable, "-m", "benchmarks.gpu_vs_nanogpt", "--only", name, "--batch", str(batch),
            "--k", str(args.k), "--calls", str(args.calls), "--nanogpt", args.nanogpt or ""]
     if args.profile and name != "nanogpt":
@@ -152,7 +156,7 @@ def measure(name: str, batch: int, args, xla_flags: str | None = None) -> dict:
 def plan_rows(args) -> list[tuple[str, str, int, str | None]]:
     """(label, child, batch, XLA_FLAGS) for every row, bench.py's shape first so a cut-short run still compares."""
     rows = []
-    for batch in args.batch:
+    for batch in sorted(args.batch, key=lambda b: b != NANOGPT_BATCH):
         rows += [(f"ours, attention={a}", a, batch, None) for a in args.attention]
         rows += [("nanoGPT bench.py", "nanogpt", batch, None)] if args.nanogpt else []
         rows += [(f"ours, cudnn, {f}", "cudnn", batch, f) for f in args.xla_flags]
@@ -182,32 +186,33 @@ def main(argv=None) -> int:
     if args.only:
         child(args)
         return 0
-    import jax
-
-    from trainer.hardware import peak_flops_per_device
-
-    device, peak = jax.devices()[0].device_kind, peak_flops_per_device(None)
-    print(f"GPT-2 124M, sequences of {SEQ} tokens, bf16 compute, on {device} (peak {peak / 1e12:.0f} TFLOP/s)")
-    print(f"{'':<34} {'batch':>5} {'ms/step':>8} {'tokens/s':>10} {'MFU 6N+full':>12} {'MFU 6N+causal':>14}",
+    # No JAX in this process: a GPU context here would hold the device's memory while the rows run.
+    rows = plan_rows(args)
+    width = max(len(label) for label, *_ in rows)
+    print(f"GPT-2 124M, sequences of {SEQ} tokens, bf16 compute; MFU against the device's peak (the first row's)")
+    print(f"{'':<{width}} {'batch':>5} {'ms/step':>8} {'tokens/s':>10} {'MFU 6N+full':>12} {'MFU 6N+causal':>14}",
           flush=True)
-    results = []
-    for label, name, batch, flags in plan_rows(args):
+    flops = model_config("xla").flops_per_token
+    results, device, peak = [], None, None
+    for label, name, batch, flags in rows:
         r = dict(measure(name, batch, args, flags), label=label, batch=batch, xla_flags=flags)
         results.append(r)
-        if "error" in r:
-            last = r["error"].strip().splitlines()[-1] if r["error"].strip() else "?"
-            print(f"{label:<34} {batch:5d} failed: {last}", flush=True)
-        else:
-            flops = model_config("xla").flops_per_token
-            r.update(mfu_6n_full=r["tokens_per_s"] * flops(SEQ, causal=False) / peak,
-                     mfu_6n_causal=r["tokens_per_s"] * flops(SEQ, causal=True) / peak)
-            print(f"{label:<34} {batch:5d} {r['step_s'] * 1e3:8.1f} {r['tokens_per_s']:10,.0f} "
-                  f"{r['mfu_6n_full']:11.1%} {r['mfu_6n_causal']:13.1%}", flush=True)
-            for kind, ms in r.get("kernel_ms_per_step", {}).items():
-                print(f"    {kind:<30} {ms:8.2f} ms/step", flush=True)
+        device, peak = device or r.get("device"), peak or r.get("peak_flops")
         if args.json:  # after every row: a run cut short keeps what it measured
             with open(args.json, "w") as f:
                 json.dump({"device": device, "peak_flops": peak, "rows": results}, f, indent=2)
+        if "error" in r:
+            last = r["error"].strip().splitlines()[-1] if r["error"].strip() else "?"
+            print(f"{label:<{width}} {batch:5d} failed: {last}", flush=True)
+            continue
+        if peak:
+            r.update(mfu_6n_full=r["tokens_per_s"] * flops(SEQ, causal=False) / peak,
+                     mfu_6n_causal=r["tokens_per_s"] * flops(SEQ, causal=True) / peak)
+        mfu = f"{r['mfu_6n_full']:11.1%} {r['mfu_6n_causal']:13.1%}" if peak else f"{'?':>11} {'?':>13}"
+        print(f"{label:<{width}} {batch:5d} {r['step_s'] * 1e3:8.1f} {r['tokens_per_s']:10,.0f} {mfu}", flush=True)
+        for kind, ms in r.get("kernel_ms_per_step", {}).items():
+            print(f"    {kind:<30} {ms:8.2f} ms/step", flush=True)
+    print(f"on {device} (peak {peak / 1e12:.0f} TFLOP/s)" if peak else "no row of ours ran: MFU unknown")
     return 0
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import logging
 import os
 from typing import Any, Callable
@@ -22,7 +23,9 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
-from orbax.checkpoint._src.metadata import array_metadata_store  # what Orbax's default jax.Array handler is given
+# private, and no public path in this Orbax: the store its own default jax.Array handler is built with (without
+# it, the handler writes no array metadata)
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 from configs import from_dict
 from configs.base import CheckpointConfig, Config
@@ -34,12 +37,12 @@ from trainer.storage.retries import outage_note
 STATE, DATA, META = "state", "data", "meta"
 DAMAGED = "checkpoints.damaged"  # beside checkpoints/: where unreadable checkpoints are moved, never deleted
 
-# Orbax's replica-parallel saving (its default off GPU) has each replica of a shard write a slice of it, so a
-# pod's save spreads its bytes over every host; each slice is a device op, compiled per shape on a process's
-# first save. Below this many bytes per slice the ops cost more than the bytes they spread (a small CPU run's
-# first save compiled ~70 of them, for its small matrices, biases and LayerNorm scales): such arrays are written
-# whole by one replica. A pod's sharded matrices stay parallel (gpt2_xl_pod's on v5e-256: 40 KiB and up a slice).
-MIN_REPLICA_SLICE_BYTES = 32 * 1024
+# Orbax's replica-parallel saving (on unless JAX_PLATFORMS names a GPU) has each replica of a shard write a slice
+# of it, so a pod's save spreads its bytes over every host; each slice is a device op, compiled per shape on a
+# process's first save. For slices under this size the ops cost more than the bytes they spread (a small run's
+# first save compiled ~70 of them: docs/testing.md), so such arrays are written whole by one replica. Every
+# matrix of gpt2_xl_pod on v5e-256 stays parallel (the smallest, wpe, at 25 KiB a slice).
+MIN_REPLICA_SLICE_BYTES = 16 * 1024
 
 
 class Checkpoints:
@@ -188,17 +191,27 @@ class Checkpoints:
         logging.getLogger("absl").removeHandler(self._writer_failure)
 
 
+@functools.cache  # once per process
 def _write_small_arrays_from_one_replica() -> None:
     """jax.Array's Orbax handler as Orbax registers it, with MIN_REPLICA_SLICE_BYTES as its replica-parallel gate."""
     handler = ocp.type_handlers.ArrayHandler(array_metadata_store=array_metadata_store.Store(),
                                              min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES)
     absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.ERROR)  # Orbax warns of every override; this one is ours
+    ours = _Drop("Type handler registry")  # Orbax warns of every override; this one is ours
+    absl.addFilter(ours)
     try:
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
     finally:
-        absl.setLevel(level)
+        absl.removeFilter(ours)
+
+
+class _Drop(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
 
 
 class _WriterFailure(logging.Handler):
