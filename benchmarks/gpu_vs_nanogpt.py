@@ -113,10 +113,11 @@ def nanogpt(path: str, batch: int, timeout: int) -> dict:
     """nanoGPT's bench.py as its README runs it, on random data with GPT-2's biases; its own timing loop."""
     cmd = [sys.executable, "bench.py", "--real_data=False", "--bias=True", f"--batch_size={batch}",
            f"--block_size={SEQ}", "--compile=True"]
-    try:  # inside the row's own limit, so that bench.py never outlives its row and takes the GPU from the next
-        out = subprocess.run(cmd, cwd=path, capture_output=True, text=True, timeout=max(timeout - 30, 1))
+    limit = max(timeout - 30, 1)  # inside the row's own, so that bench.py never outlives its row and holds the GPU
+    try:
+        out = subprocess.run(cmd, cwd=path, capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired:
-        return {"error": f"bench.py gave no result within {max(timeout - 30, 1)} s"}
+        return {"error": f"bench.py gave no result within {limit} s"}
     found = re.search(r"time per iteration: ([\d.]+)ms", out.stdout)
     if out.returncode != 0 or not found:
         return {"error": (out.stderr or out.stdout)[-2000:]}

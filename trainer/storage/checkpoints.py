@@ -196,22 +196,16 @@ def _write_small_arrays_from_one_replica() -> None:
     """jax.Array's Orbax handler as Orbax registers it, with MIN_REPLICA_SLICE_BYTES as its replica-parallel gate."""
     handler = ocp.type_handlers.ArrayHandler(array_metadata_store=array_metadata_store.Store(),
                                              min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES)
+
+    def not_this_override(record: logging.LogRecord) -> bool:  # Orbax warns of every override; this one is ours
+        return not str(record.msg).startswith("Type handler registry")
+
     absl = logging.getLogger("absl")
-    ours = _Drop("Type handler registry")  # Orbax warns of every override; this one is ours
-    absl.addFilter(ours)
+    absl.addFilter(not_this_override)
     try:
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
     finally:
-        absl.removeFilter(ours)
-
-
-class _Drop(logging.Filter):
-    def __init__(self, prefix: str):
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
+        absl.removeFilter(not_this_override)
 
 
 class _WriterFailure(logging.Handler):
