@@ -210,11 +210,19 @@ def check_compute_dtype(config: GPT2Config, platform: str) -> None:
         raise ConfigError(f"model.dtype={config.dtype} is not supported on {platform}; use one of {list(supported)}")
 
 
+# The attention's q, k and v as it reads them (their bias added; heads-first for the splash kernel), named where they
+# are made (gpt2/layers.py, gpt2/splash.py). remat="dots" keeps them beside the matmuls' outputs: recomputing them
+# in the backward is an add and a transpose over [B, T, 3, H, K] a layer (gpt2_xl_pod: 11 ms a step, predicted,
+# docs/aot_planning.md "Chosen, and why"), and keeping them takes no more memory than the projection's output.
+QKV = "qkv"
+
+
 def remat_policy(name: RematPolicy):
     """Named `jax.checkpoint` policies (None means: do not rematerialize)."""
     return {
         "none": None,
         "full": jax.checkpoint_policies.nothing_saveable,
-        "dots": jax.checkpoint_policies.checkpoint_dots,
+        "dots": jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.checkpoint_dots, jax.checkpoint_policies.save_only_these_names(QKV)),
         "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
     }[name]

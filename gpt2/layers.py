@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gpt2.config import GPT2Config
+from gpt2.config import QKV, GPT2Config
 from gpt2.sharding import ShardingRules
 from gpt2.splash import splash_attention, target_platform
 
@@ -98,7 +98,7 @@ class CausalSelfAttention(nnx.Module):
         cache_index: jax.Array | None = None,  # position of x[:, 0] in the cache
         dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
-        qkv = self.c_attn(x)  # [B, T, 3, H, K]
+        qkv = jax.ad_checkpoint.checkpoint_name(self.c_attn(x), QKV)  # [B, T, 3, H, K]; remat="dots" keeps it
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, T, H, K]
         if cache is None:
             y = self._causal_attention(q, k, v, segment_ids)

@@ -21,6 +21,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 from jax.sharding import NamedSharding, PartitionSpec
 
+from gpt2.config import QKV
 from gpt2.sharding import MeshAxes, ShardingRules
 
 # The kernel tiles the sequence by the TPU's 128 lanes: every block size must be a multiple of it
@@ -89,7 +90,8 @@ def _attend(kernel, q, k, v, segment_ids):  # [b, T, h, K] ×3, [b, T] -> [b, T,
     """The kernel on one device's examples: it takes one example's [h, T, K], so vmap over b."""
     heads_first = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  [b, T, h, K] <-> [b, h, T, K]
     ids = sk.SegmentIds(q=segment_ids, kv=segment_ids)
-    return heads_first(jax.vmap(kernel)(heads_first(q), heads_first(k), heads_first(v), ids))
+    q, k, v = (jax.ad_checkpoint.checkpoint_name(heads_first(a), QKV) for a in (q, k, v))  # remat="dots" keeps them
+    return heads_first(jax.vmap(kernel)(q, k, v, ids))
 
 
 def _kernel(T: int, H: int, block_q: int, block_kv: int, *, head_shards: int, interpret: bool):

@@ -1,7 +1,9 @@
 """The model: exact numbers on hand-set weights, and equivalences (scan/loop, remat, sharded, HF, KV cache)."""
 
+import contextlib
 import dataclasses
 import functools
+import io
 import os
 
 import jax
@@ -14,6 +16,7 @@ from gpt2 import GPT2, GPT2Config, create_sharded_model, param_report
 from trainer.program.mesh import make_mesh
 from gpt2.generate import generate
 from gpt2.layers import CausalSelfAttention
+from gpt2.model import next_token_loss
 from gpt2.sharding import RULES, ShardingRules, logical_axes_of
 
 NANO = GPT2Config.nano()
@@ -129,6 +132,25 @@ def test_remat_changes_nothing_but_memory(scan, policy):
     lb, vb, gb = loss_and_grads(remat)
     np.testing.assert_allclose(np.asarray(la), np.asarray(lb), atol=1e-5)
     assert max_diff(flat(ga), flat(gb)) < 1e-5
+
+
+@pytest.mark.parametrize("attention, policy, saved", [
+    ("xla", "dots", ["f32[2,8,3,2,16]"] * 2),  # each layer's [B, T, 3, H, K]
+    ("splash", "dots", ["f32[2,2,128,16]"] * 6),  # each layer's q, k, v as the kernel reads them: [B, H, T, K]
+    ("xla", "full", []),
+])
+def test_dots_remat_keeps_q_k_v_as_the_attention_reads_them(attention, policy, saved):
+    """remat="dots" saves q, k and v after the bias add (and, for splash, heads-first: named "qkv"), not the
+    projection's bare output, so the backward does not redo the add or the transpose; "full" keeps none."""
+    model = GPT2(dataclasses.replace(NANO, scan_layers=False, remat=policy, attention=attention), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    tokens = jnp.zeros((2, 9), jnp.int32)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(lambda p: next_token_loss(nnx.merge(graphdef, p), tokens), params)
+    lines = out.getvalue().splitlines()
+    assert [line.split()[0] for line in lines if "named 'qkv'" in line] == saved, out.getvalue()
+    assert not [line for line in lines if line.startswith("f32[2,8,3,2,16]") and "named" not in line]  # no bare copy
 
 
 @pytest.mark.parametrize("blocks", [2, 4])
