@@ -210,10 +210,11 @@ def check_compute_dtype(config: GPT2Config, platform: str) -> None:
         raise ConfigError(f"model.dtype={config.dtype} is not supported on {platform}; use one of {list(supported)}")
 
 
-# The attention's q, k and v as it reads them (their bias added; heads-first for the splash kernel), named where they
-# are made (gpt2/layers.py, gpt2/splash.py). remat="dots" keeps them beside the matmuls' outputs: recomputing them
-# in the backward is an add and a transpose over [B, T, 3, H, K] a layer (gpt2_xl_pod: 11 ms a step, predicted,
-# docs/aot_planning.md "Chosen, and why"), and keeping them takes no more memory than the projection's output.
+# The name of q, k and v as the attention reads them (their bias added; for the splash kernel heads-first, scaled and
+# padded to whole 128-token blocks), given where they are made (gpt2/layers.py, gpt2/splash.py). remat="dots" keeps
+# them beside the matmuls' outputs, so the backward does not redo the bias add or the splash kernel's transposes;
+# they replace the projection's bare output among what is kept (gpt2_xl_pod: docs/aot_planning.md, "Chosen, and
+# why"). Not the `qkv` parameter axis of gpt2/sharding.py: this names activations for jax.checkpoint.
 QKV = "qkv"
 
 

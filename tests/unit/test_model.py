@@ -141,7 +141,9 @@ def test_remat_changes_nothing_but_memory(scan, policy):
 ])
 def test_dots_remat_keeps_q_k_v_as_the_attention_reads_them(attention, policy, saved):
     """remat="dots" saves q, k and v after the bias add (and, for splash, heads-first: named "qkv"), not the
-    projection's bare output, so the backward does not redo the add or the transpose; "full" keeps none."""
+    projection's bare output, so the backward does not redo the add or the transpose; "full" keeps none (the
+    control). Off a mesh: inside the splash kernel's shard_map JAX reports the kept values as the shard_map's
+    outputs, not by name (the sharded program's effect is docs/aot_planning.md's gpt2_xl_pod compile)."""
     model = GPT2(dataclasses.replace(NANO, scan_layers=False, remat=policy, attention=attention), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     tokens = jnp.zeros((2, 9), jnp.int32)
