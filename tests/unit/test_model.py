@@ -1,9 +1,7 @@
 """The model: exact numbers on hand-set weights, and equivalences (scan/loop, remat, sharded, HF, KV cache)."""
 
-import contextlib
 import dataclasses
 import functools
-import io
 import os
 
 import jax
@@ -139,7 +137,7 @@ def test_remat_changes_nothing_but_memory(scan, policy):
     ("splash", "dots", ["f32[2,2,128,16]"] * 6),  # each layer's q, k, v as the kernel reads them: [B, H, T, K]
     ("xla", "full", []),
 ])
-def test_dots_remat_keeps_q_k_v_as_the_attention_reads_them(attention, policy, saved):
+def test_dots_remat_keeps_q_k_v_as_the_attention_reads_them(capsys, attention, policy, saved):
     """remat="dots" saves q, k and v after the bias add (and, for splash, heads-first: named "qkv"), not the
     projection's bare output, so the backward does not redo the add or the transpose; "full" keeps none (the
     control). Off a mesh: inside the splash kernel's shard_map JAX reports the kept values as the shard_map's
@@ -147,11 +145,10 @@ def test_dots_remat_keeps_q_k_v_as_the_attention_reads_them(attention, policy, s
     model = GPT2(dataclasses.replace(NANO, scan_layers=False, remat=policy, attention=attention), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     tokens = jnp.zeros((2, 9), jnp.int32)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        jax.ad_checkpoint.print_saved_residuals(lambda p: next_token_loss(nnx.merge(graphdef, p), tokens), params)
-    lines = out.getvalue().splitlines()
-    assert [line.split()[0] for line in lines if "named 'qkv'" in line] == saved, out.getvalue()
+    jax.ad_checkpoint.print_saved_residuals(lambda p: next_token_loss(nnx.merge(graphdef, p), tokens), params)
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert [line.split()[0] for line in lines if "named 'qkv'" in line] == saved, printed
     assert not [line for line in lines if line.startswith("f32[2,8,3,2,16]") and "named" not in line]  # no bare copy
 
 
