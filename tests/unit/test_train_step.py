@@ -34,7 +34,9 @@ def with_model(cfg: Config, **model) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model))
 
 
-@pytest.mark.parametrize("mesh_shape, rules", [((1, 1, 1), "dp"), ((2, 2, 2), "fsdp_tp")])
+# one device with the default rules: the same programs as the one-device tests below (the session's compilation
+# cache then compiles each once)
+@pytest.mark.parametrize("mesh_shape, rules", [((1, 1, 1), NANO_RUN.mesh.rules), ((2, 2, 2), "fsdp_tp")])
 def test_one_call_of_k_steps_equals_k_calls_of_one(mesh_shape, rules):
     cfg = dataclasses.replace(NANO_RUN, mesh=dataclasses.replace(NANO_RUN.mesh, rules=rules))
     mesh = make_mesh(*mesh_shape, devices=jax.devices()[: int(np.prod(mesh_shape))])
@@ -240,8 +242,9 @@ def _corpus_batches(shakespeare, n):
     return [b[None] for b in itertools.islice(make_dataset(files, 50257, cfg, shard_index=0, shard_count=1), n)]
 
 
-def _bf16_run(dtype):
-    return Config(model=GPT2Config(**BF16_SHAPE, dtype=dtype), optim=OptimConfig(lr=1e-3, warmup_steps=5),
+def _bf16_run(dtype, vocab_size=50257):
+    return Config(model=GPT2Config(**BF16_SHAPE, vocab_size=vocab_size, dtype=dtype),
+                  optim=OptimConfig(lr=1e-3, warmup_steps=5),
                   train=TrainConfig(batch_size=8, seq_len=64, steps=30, steps_per_call=1))
 
 
@@ -263,13 +266,17 @@ def test_bfloat16_forward_stays_near_float32(shakespeare):
 
 
 def test_bfloat16_training_tracks_float32_at_every_step(shakespeare):
-    """30 steps on the embedded corpus. Measured: the per-step loss differs by at most 9.7e-4 (the loss
-    falls 10.8 -> 9.5 over the run); the bound 3e-3 is 3× that, 0.2 % of the progress made."""
-    batches = [np.concatenate(_corpus_batches(shakespeare, 30))]  # one call of 30 steps
-    _, f32 = run_calls(_bf16_run("float32"), one_device(), batches)
-    _, bf16 = run_calls(_bf16_run("bfloat16"), one_device(), batches)
+    """30 steps on the embedded corpus, its GPT-2 ids renumbered 0 … n-1 in order of value, so that the vocabulary
+    is the 3,108 ids the batches hold (a head over all 50,257 was most of the test's work). Measured: the per-step
+    loss differs by at most 1.25e-3 (the loss falls 8.03 -> 7.18 over the run); the bound 3e-3 is 2.4x that,
+    0.4 % of the progress made."""
+    stack = np.concatenate(_corpus_batches(shakespeare, 30))  # one call of 30 steps
+    ids, dense = np.unique(stack, return_inverse=True)
+    batches = [dense.reshape(stack.shape).astype(np.int32)]
+    _, f32 = run_calls(_bf16_run("float32", len(ids)), one_device(), batches)
+    _, bf16 = run_calls(_bf16_run("bfloat16", len(ids)), one_device(), batches)
     np.testing.assert_allclose(bf16, f32, rtol=0, atol=3e-3)
-    assert f32[0] - f32[-1] > 1.0  # it trained
+    assert f32[0] - f32[-1] > 0.5  # it trained
 
 
 # ---- compile and sharding guards ---------------------------------------------------------------------
