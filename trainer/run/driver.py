@@ -99,7 +99,7 @@ def _run(run: RunContext) -> None:
             with run.timeline.measure("sample"):
                 say(sample_text(run.cfg, run.program, state))  # every process: the parameters may span them all
         logger.plot()
-        run.timeline.since_mark("finish")  # since the loop's last save, or the sample: the plot, the loop's exit
+        run.timeline.since_mark("finish")  # since the final checkpoint wait, or the sample: the plot, Preemption's exit
         run.timeline.end("preempted" if preemption.signal_name else "finished" if finished else "stopped")
         report_goodput(run, logger)
     except BaseException:
