@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,16 @@ SMALL = [
 def cli_env(devices: int = 8, env: dict | None = None) -> dict:
     return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
             **(env or {})}
+
+
+def private_compile_cache(tmp_path: Path) -> dict:
+    """The environment of a process whose writes will be cut short (a file-size limit, as a full disk): its own
+    copy of the session's compilation cache, as hard links (no bytes copied). It loads what other runs compiled, and
+    an entry it writes is its own: one truncated by the limit cannot reach the next process."""
+    copy = tmp_path / "compile-cache"
+    shutil.copytree(os.environ["JAX_COMPILATION_CACHE_DIR"], copy, copy_function=os.link,
+                    ignore=shutil.ignore_patterns(".lockfile"))  # JAX's lock: a file of the copy's own
+    return {"JAX_COMPILATION_CACHE_DIR": str(copy)}
 
 
 def run_cli(script: str, *args: str, devices: int = 8, timeout: int = 600, env: dict | None = None):
