@@ -211,7 +211,8 @@ def test_jobset_restarts_are_its_own_and_its_state_errors_change_nothing(tiny_re
     assert verbs(cloud).count("kubectl apply -f") == 1 and not any("delete" in v for v in verbs(cloud))
 
 
-RUN = [*SMALL, "--train.steps=64", "--train.eval_every=0", "--checkpoint.every=8", "--mesh.fsdp=2"]
+# the TPU VM run: 16 steps before its preemption at checkpoint 16, 16 after it (the launcher is killed meanwhile)
+RUN = [*SMALL, "--train.steps=32", "--train.eval_every=0", "--checkpoint.every=8", "--mesh.fsdp=2"]
 
 
 SHORT = [*RUN, "--train.steps=8"]  # its first 8 steps: one learning-rate schedule for any length (SMALL)
