@@ -30,6 +30,7 @@ from support.cli import (
     private_compile_cache,
     read_jsonl,
     read_only,
+    rewound,
     run_cli,
     run_main,
     step_losses,
@@ -56,19 +57,6 @@ def reference(tmp_path_factory, shakespeare):
     r = run_cli("train.py", *args(run_dir, shakespeare))
     assert r.returncode == 0, r.stderr[-3000:]
     assert checkpoint_steps(run_dir) == list(range(2, 17, 2))
-    return run_dir
-
-
-def rewound(reference, tmp_path, step: int | None):
-    """A copy of the reference run as it was when checkpoint `step` was the latest (None: before any)."""
-    run_dir = tmp_path / "run"
-    shutil.copytree(reference, run_dir)
-    for s in checkpoint_steps(run_dir):
-        if step is None or s > step:
-            shutil.rmtree(run_dir / "checkpoints" / str(s))
-    kept = [r for r in read_jsonl(run_dir / "metrics.jsonl") if step is not None and r["step"] <= step]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
-    (run_dir / "events.jsonl").unlink()  # the copy's time is its own: its record starts with its first attempt
     return run_dir
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import train as train_app
-from support.cli import ROOT, private_compile_cache, run_main
+from support.cli import ROOT, private_compile_cache, rewound, run_main
 from tools.launch import free_port
 from support.processes import COMMON, checkpoints_of, end_both, losses, start_processes, wait_for_steps
 
@@ -59,13 +59,12 @@ def test_two_processes_equal_one(two_process_run, shakespeare, tmp_path):
 
 def test_two_process_checkpoint_resumes_in_one_process_on_another_mesh(two_process_run, shakespeare, tmp_path):
     reference, _ = two_process_run
-    first = launch(tmp_path, shakespeare, "--train.stop_after=4")
-    assert first.returncode == 0, first.stdout[-3000:]
-    code, out, err = run_main(train_app.main, "--run_dir", str(tmp_path), f"--data.cache_dir={shakespeare}", *COMMON,
+    run_dir = rewound(reference, tmp_path, 4)  # as the two processes left it at their checkpoint 4
+    code, out, err = run_main(train_app.main, "--run_dir", str(run_dir), f"--data.cache_dir={shakespeare}", *COMMON,
                               "--mesh.fsdp=1", "--mesh.rules=dp")  # data 8: another mesh, replicated params
     assert code == 0, err[-3000:]
-    assert "resumed from" in out
-    np.testing.assert_allclose(losses(tmp_path), losses(reference), rtol=0, atol=1e-5)
+    assert f"resumed from {run_dir / 'checkpoints' / '4'}" in out
+    np.testing.assert_allclose(losses(run_dir), losses(reference), rtol=0, atol=1e-5)
 
 
 def test_init_from_on_two_processes_reads_each_ones_shards_bitwise_as_one_process(tmp_path):

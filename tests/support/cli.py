@@ -82,6 +82,19 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
 
 
+def rewound(reference: Path, tmp_path: Path, step: int | None) -> Path:
+    """A copy of a finished run as it was when checkpoint `step` was the latest (None: before any)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    for s in checkpoint_steps(run_dir):
+        if step is None or s > step:
+            shutil.rmtree(run_dir / "checkpoints" / str(s))
+    kept = [r for r in read_jsonl(run_dir / "metrics.jsonl") if step is not None and r["step"] <= step]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    (run_dir / "events.jsonl").unlink()  # the copy's time is its own: its record starts with its first attempt
+    return run_dir
+
+
 @contextlib.contextmanager
 def read_only(path):
     """A read-only bind mount over `path` (root ignores file modes, so a chmod would prove nothing)."""
