@@ -13,7 +13,7 @@ import eval as eval_app
 import train as train_app
 from support.cli import ROOT, SMALL, checkpoint_steps, read_jsonl, read_only, run_cli, run_main, step_losses
 from support.corpora import damaged_copy, edit_meta, truncate_train_bin
-from support.cli import eval_error
+from support.cli import eval_error, rewound
 from support.cli import wandb_records
 
 
@@ -23,14 +23,14 @@ def train_args(run_dir, shakespeare, *extra):
 
 
 FSDP_TP = ["--train.steps_per_call=4", "--mesh.data=2", "--mesh.fsdp=2", "--mesh.tensor=2", "--mesh.rules=fsdp_tp"]
+K4 = [*FSDP_TP, "--log.wandb=offline", "--train.sample_tokens=8", "--log.param_report"]  # k4_run's flags
 
 
 @pytest.fixture(scope="module")
 def k4_run(tmp_path_factory, shakespeare):
     """12 steps, K=4, on 8 devices with a 2×2×2 fsdp_tp mesh, wandb offline, the end-of-run sample on."""
     run_dir = tmp_path_factory.mktemp("k4")
-    r = run_cli("train.py", *train_args(run_dir, shakespeare, *FSDP_TP, "--log.wandb=offline",
-                                        "--train.sample_tokens=8", "--log.param_report"))
+    r = run_cli("train.py", *train_args(run_dir, shakespeare, *K4))
     assert r.returncode == 0, r.stderr[-3000:]
     return run_dir, r
 
@@ -139,13 +139,11 @@ def test_cli_k4_on_8_devices_equals_k1_on_1_device(k4_run, k1_run):
 
 
 def test_cli_exact_resume_is_bitwise(k4_run, shakespeare, tmp_path):
-    first = run_cli("train.py", *train_args(tmp_path, shakespeare, *FSDP_TP, "--train.stop_after=4"))
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert len(step_losses(tmp_path)) == 4
-    second = run_cli("train.py", *train_args(tmp_path, shakespeare, *FSDP_TP))
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stdout
-    assert step_losses(tmp_path) == step_losses(k4_run[0])  # bitwise: same floats, same order
+    run_dir = rewound(k4_run[0], tmp_path, 4)  # the run as a stop at step 4 leaves it
+    r = run_cli("train.py", *train_args(run_dir, shakespeare, *K4))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / '4'}" in r.stdout
+    assert step_losses(run_dir) == step_losses(k4_run[0])  # bitwise: same floats, same order
 
 
 def test_cli_resume_with_another_k_keeps_the_data_position(k1_run, shakespeare, tmp_path):
