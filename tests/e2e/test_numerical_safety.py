@@ -21,18 +21,14 @@ import pytest
 import configs
 import eval as eval_app
 import train as train_app
-from configs.base import Config, OptimConfig, TrainConfig
+from configs.base import Config
 from support.cli import ROOT, SMALL, checkpoint_steps, cli_env, last_line, read_jsonl, run_main
 from support.faults import nan_gradient_at
-from gpt2 import GPT2Config
 from trainer.program.mesh import make_mesh
 from trainer.program.train_program import TrainProgram
 from trainer.storage.checkpoints import Checkpoints
 from trainer.telemetry import goodput
 
-NANO = Config(model=GPT2Config.nano(), train=TrainConfig(batch_size=8, seq_len=16, steps=10),
-              optim=OptimConfig(warmup_steps=2))
-BATCHES = np.random.RandomState(0).randint(0, 96, (4, 8, 17)).astype(np.int32)  # [K, B, T+1]
 
 
 TINY = [*SMALL, "--train.steps=30", "--train.steps_per_call=5", "--checkpoint.every=5", "--optim.grad_clip=0",

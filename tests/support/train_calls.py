@@ -3,10 +3,15 @@
 import jax
 import numpy as np
 
-from configs.base import Config
+from configs.base import Config, OptimConfig, TrainConfig
+from gpt2 import GPT2Config
 from trainer.program.mesh import make_mesh
 from trainer.program.train_program import TrainProgram
 
+# The unit tier's train calls: one config and one set of batches, so that tests of different properties that need
+# the same program (the session's compilation cache is keyed by it) compile it once between them.
+NANO_RUN = Config(model=GPT2Config.nano(), train=TrainConfig(batch_size=8, seq_len=16, steps=10),
+                  optim=OptimConfig(warmup_steps=2))
 BATCHES = np.random.RandomState(0).randint(0, 96, (4, 8, 17)).astype(np.int32)  # [K, B, T+1]
 
 
@@ -14,19 +19,24 @@ def one_device():
     return make_mesh(1, 1, 1, devices=jax.devices()[:1])
 
 
-def run_calls(cfg: Config, mesh, stacks, active=None, program: TrainProgram | None = None):
+def call_metrics(cfg: Config, mesh, stacks, active=None, program: TrainProgram | None = None):
     """Runs one train call per [K, B, T+1] stack (all steps active unless `active` says otherwise), of `program`
-    (default: the one `cfg` builds on `mesh`)."""
+    (default: the one `cfg` builds on `mesh`): (the final state, each call's metrics on the host)."""
     trainer = program or TrainProgram.build(cfg, mesh)
+    active = active or [np.ones(len(stack), bool) for stack in stacks]
     with jax.set_mesh(mesh):
-        call = trainer.train_call()
-        state = trainer.init_state()
-        losses = []
-        for i, stack in enumerate(stacks):
-            on = np.ones(len(stack), bool) if active is None else active[i]
+        call, state, out = trainer.train_call(), trainer.init_state(), []
+        for stack, on in zip(stacks, active):
             state, metrics = call(state, jax.device_put(stack, trainer.batch_sharding), on)
-            losses.extend(np.asarray(metrics["loss"])[on].tolist())
-        return state, losses
+            out.append(jax.device_get(metrics))
+        return state, out
+
+
+def run_calls(cfg: Config, mesh, stacks, active=None, program: TrainProgram | None = None):
+    """call_metrics, with the losses of the active steps in order instead of the metrics."""
+    state, metrics = call_metrics(cfg, mesh, stacks, active, program)
+    active = active or [np.ones(len(stack), bool) for stack in stacks]
+    return state, [loss for m, on in zip(metrics, active) for loss in m["loss"][on].tolist()]
 
 
 def param_diff(a, b) -> float:

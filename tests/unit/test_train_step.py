@@ -24,10 +24,7 @@ from trainer.program.optimizer import decay_mask, lr_schedule
 from trainer.program.train_program import TrainProgram
 from trainer.run.data_position import realign
 from trainer.storage.checkpoints import Checkpoints
-from support.train_calls import BATCHES, one_device, param_diff, run_calls
-
-NANO_RUN = Config(model=GPT2Config.nano(), train=TrainConfig(batch_size=8, seq_len=16, steps=10),
-                  optim=OptimConfig(warmup_steps=2))
+from support.train_calls import BATCHES, NANO_RUN, one_device, param_diff, run_calls
 
 
 def with_model(cfg: Config, **model) -> Config:
