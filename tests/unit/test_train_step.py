@@ -114,8 +114,9 @@ def shard_by_shard(shards: int, devices: int):
 
 @functools.cache
 def accumulated_without_dropout(rules: str):
-    """(state, losses) of `accumulating(rules)` on 2×2×2: two tests' reference, run once."""
-    return run_calls(accumulating(rules), make_mesh(2, 2, 2), [ACCUM_BATCHES])
+    """(state, losses) of `accumulating(rules)` on 2×2×2, one step per call (the program whose reductions
+    test_accumulation_reduces_each_gradient_once_per_step reads): two tests' reference, run once."""
+    return run_calls(accumulating(rules), make_mesh(2, 2, 2), [ACCUM_BATCHES[:1], ACCUM_BATCHES[1:]])
 
 
 @pytest.mark.parametrize("rules, shards", [("dp", 4), ("fsdp", 2)])
