@@ -2,6 +2,7 @@
 dropout and bfloat16 numerics, compile-once and sharding guards, parameters restored alone onto another mesh."""
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
 
 from configs.base import CheckpointConfig, Config, OptimConfig, TrainConfig
 from errors import CheckpointError
@@ -298,6 +300,20 @@ def test_train_call_compiles_once_and_holds_no_materialized_mask():
     assert not constants, constants[:3]
 
 
+@contextlib.contextmanager
+def compiled_by_xla():
+    """Compiles in the block run XLA, with the session's persistent cache off: a program loaded from it (the K=1
+    call on 2×2×2 is the K-step equivalence's) skips the SPMD partitioner, and so its log."""
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once per process whether it uses the cache
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        compilation_cache.reset_cache()
+
+
 @pytest.mark.parametrize("rules, mesh_shape", [("fsdp", (2, 4, 1)), ("fsdp_tp", (2, 2, 2))])
 def test_sharded_train_call_never_replicates_activations(capfd, rules, mesh_shape):
     """The SPMD partitioner logs "Involuntary full rematerialization" when it can only reshard a tensor by
@@ -306,7 +322,7 @@ def test_sharded_train_call_never_replicates_activations(capfd, rules, mesh_shap
                               train=dataclasses.replace(NANO_RUN.train, steps_per_call=1))
     trainer = TrainProgram.build(cfg, make_mesh(*mesh_shape, devices=jax.devices()))
     capfd.readouterr()
-    with jax.set_mesh(trainer.mesh):
+    with jax.set_mesh(trainer.mesh), compiled_by_xla():
         trainer.lower().compile()
     log = capfd.readouterr().err
     assert "Involuntary full rematerialization" not in log, log[:2000]
