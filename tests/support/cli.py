@@ -82,10 +82,10 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
 
 
-def rewound(reference: Path, tmp_path: Path, step: int | None) -> Path:
-    """A copy of a finished run as it was when checkpoint `step` was the latest (None: before any)."""
+def rewound(run: Path, tmp_path: Path, step: int | None) -> Path:
+    """A copy of a finished run, as it was when its checkpoint `step` was the latest (None: before any)."""
     run_dir = tmp_path / "run"
-    shutil.copytree(reference, run_dir)
+    shutil.copytree(run, run_dir)
     for s in checkpoint_steps(run_dir):
         if step is None or s > step:
             shutil.rmtree(run_dir / "checkpoints" / str(s))

@@ -23,10 +23,9 @@ def call_metrics(cfg: Config, mesh, stacks, active=None, program: TrainProgram |
     """Runs one train call per [K, B, T+1] stack (all steps active unless `active` says otherwise), of `program`
     (default: the one `cfg` builds on `mesh`): (the final state, each call's metrics on the host)."""
     trainer = program or TrainProgram.build(cfg, mesh)
-    active = active or [np.ones(len(stack), bool) for stack in stacks]
     with jax.set_mesh(mesh):
         call, state, out = trainer.train_call(), trainer.init_state(), []
-        for stack, on in zip(stacks, active):
+        for stack, on in zip(stacks, all_active(stacks, active)):
             state, metrics = call(state, jax.device_put(stack, trainer.batch_sharding), on)
             out.append(jax.device_get(metrics))
         return state, out
@@ -35,8 +34,12 @@ def call_metrics(cfg: Config, mesh, stacks, active=None, program: TrainProgram |
 def run_calls(cfg: Config, mesh, stacks, active=None, program: TrainProgram | None = None):
     """call_metrics, with the losses of the active steps in order instead of the metrics."""
     state, metrics = call_metrics(cfg, mesh, stacks, active, program)
-    active = active or [np.ones(len(stack), bool) for stack in stacks]
-    return state, [loss for m, on in zip(metrics, active) for loss in m["loss"][on].tolist()]
+    return state, [loss for m, on in zip(metrics, all_active(stacks, active)) for loss in m["loss"][on].tolist()]
+
+
+def all_active(stacks, active=None) -> list:
+    """`active`, or every step of every stack."""
+    return active or [np.ones(len(stack), bool) for stack in stacks]
 
 
 def param_diff(a, b) -> float:
