@@ -13,7 +13,7 @@ CPU devices, its own home directory and what its real platform gives it (no PYTH
   GkeTpuCluster reads.
 - Slurm tasks (`sbatch`, then the script's `srun`): SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID,
   SLURM_LOCALID, one task per node: what JAX's SlurmCluster reads; a node's GPUs are CPU devices that JAX's
-  device restriction (jax_cuda_visible_devices) reaches as it would reach GPUs (tests/support/fake_hosts/sitecustomize.py).
+  device restriction (jax_cuda_visible_devices) reaches as it would reach GPUs (tests/support/site/sitecustomize.py).
 
 Where a real pod has one address per host and these share 127.0.0.1, a job's coordinator port is its own:
 JAX_COORDINATOR_PORT (JAX's own override) on TPU hosts, a Slurm job id whose port (JAX: 61440 + id % 4096) is free.
@@ -42,7 +42,7 @@ from pathlib import Path
 HOSTS = {"v4-16": 2, "v4-8": 1, "v5litepod-16": 4, "v5litepod-8": 1}  # accelerator type -> hosts (its own table)
 CHIPS_PER_HOST = {"v4-16": 4, "v4-8": 4, "v5litepod-16": 4, "v5litepod-8": 8}
 TOOLS = ("gcloud", "xpk", "kubectl", "sbatch", "squeue", "sacct", "scancel", "srun", "scontrol")
-SITE = Path(__file__).resolve().parent / "fake_hosts"  # the hosts' sitecustomize
+SITE = Path(__file__).resolve().parent / "site"  # the sitecustomize of every process the tests start
 SLURM_PORTS = 61440  # JAX's Slurm coordinator port: 61440 + SLURM_JOB_ID % 4096 (jax/_src/clusters/slurm_cluster.py)
 
 
@@ -181,13 +181,14 @@ def _transient_failure(root: Path, what: str) -> bool:
 
 
 def _host_env(root: Path, home: Path, chips: int, **extra: str) -> dict:
-    """A host's environment: none of this machine's JAX, TPU, Slurm or Python path settings."""
+    """A host's environment: none of this machine's JAX, TPU, Slurm or Python path settings (PYTHONPATH holds
+    only the tests' sitecustomize)."""
     mine = ("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "TPU_", "MEGASCALE_",
             "SLURM_", "FAKE_")  # (the JAX compilation cache stays shared, as the tests' other processes share it)
     env = {k: v for k, v in os.environ.items() if not k.startswith(mine) and k != "PYTHONPATH"}
     env.update(HOME=str(home), PATH=f"{root / 'image'}:{root / 'bin'}:{env['PATH']}", JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={os.environ.get('FAKE_CLOUD_DEVICES', chips)}",
-               FAKE_CLOUD_ROOT=str(root), **extra)
+               FAKE_CLOUD_ROOT=str(root), PYTHONPATH=str(SITE), **extra)
     return env
 
 
@@ -285,7 +286,7 @@ def _run_batch(root: Path, name: str, qr: dict, targets: list[tuple[int, int]], 
         home = root / "vms" / f"{name}-{qr['created']}" / f"slice-{s}" / f"worker-{w}"
         home.mkdir(parents=True, exist_ok=True)
         env = _host_env(root, home, qr["chips"], HOSTNAME=f"{name}-{s}-w-{w}", JAX_FORCE_TPU_INIT="1",
-                        FAKE_TPU_VM="1", PYTHONPATH=str(SITE), JAX_COORDINATOR_PORT=str(qr["port"]),
+                        FAKE_TPU_VM="1", JAX_COORDINATOR_PORT=str(qr["port"]),
                         GCE_METADATA_IP=f"127.0.0.1:{qr['metadata'][s][w]}",
                         FAKE_CLOUD_VM=f"{name}-{qr['created']}/{s}/{w}")
         procs.append(subprocess.Popen(["bash", "-c", command], cwd=home, env=env, stdout=subprocess.PIPE,

@@ -1,6 +1,12 @@
-"""Python's start-up on a fake host of tests/support/cloud.py (its PYTHONPATH holds nothing else): what makes a process
-with CPU devices look to JAX like one on the real machine, where it matters. Each change waits for the JAX module
-it touches to be imported (a process that does not import JAX pays nothing).
+"""Python's start-up in every process the tests start (tests/conftest.py puts this directory on PYTHONPATH; a fake
+host of tests/support/cloud.py has nothing else on its own). Each change waits for the JAX module it touches to be
+imported (a process that does not import JAX pays nothing).
+
+Every process writes its compilations to the session's compilation cache. JAX writes only from process 0, and on
+CPU each process of a job keys a program by its own devices (its topology and device assignment), so process 1
+never found what process 0 had written: process 1 of every two-process test compiled every program cold (the
+same train call seven times in one run of tests/e2e, 6 CPU-s each). A cache-only change: no program or number
+differs.
 
 FAKE_TPU_VM: JAX's import (cloud_tpu_init) finds no TPU chips here and so sets TPU_SKIP_MDS_QUERY, which keeps its
 Cloud TPU cluster detection off the metadata server; a TPU VM has chips and does not set it. (JAX_FORCE_TPU_INIT,
@@ -15,6 +21,7 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import time
 
 
 class _After(importlib.abc.MetaPathFinder):
@@ -63,6 +70,28 @@ def _visible_devices_only(distributed):
     distributed.State.initialize = initialize_seeing_the_visible_devices
 
 
+def _every_process_writes_the_cache(compiler):
+    from jax._src import compilation_cache, distributed
+
+    compile_and_write = compiler._compile_and_write_cache
+
+    def compile_and_write_from_any_process(backend, computation, executable_devices, compile_options,
+                                           host_callbacks, module_name, cache_key):
+        start = time.monotonic()
+        executable = compile_and_write(backend, computation, executable_devices, compile_options, host_callbacks,
+                                       module_name, cache_key)
+        if distributed.global_state.process_id != 0 and not host_callbacks:  # process 0's is written already
+            try:
+                compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
+                                                          int(time.monotonic() - start))
+            except Exception:  # as JAX's own write: a cache that cannot be written costs a compile, nothing else
+                pass
+        return executable
+
+    compiler._compile_and_write_cache = compile_and_write_from_any_process
+
+
+sys.meta_path.insert(0, _After("jax._src.compiler", _every_process_writes_the_cache))
 if os.environ.get("FAKE_TPU_VM"):
     sys.meta_path.insert(0, _After("jax._src.cloud_tpu_init", _metadata_server_stays_reachable))
 if os.environ.get("FAKE_GPU_NODE"):
