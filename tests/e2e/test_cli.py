@@ -104,7 +104,7 @@ def test_a_finished_run_rerun_changes_nothing_and_extending_it_is_recorded(k4_ru
     shutil.copytree(k4_run[0], run_dir)
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
     run = ["--run_dir", str(run_dir), f"--data.cache_dir={shakespeare}", *SMALL, "--checkpoint.every=4",
-           "--checkpoint.keep=5", "--train.eval_every=4", *FSDP_TP[:1], "--log.wandb=offline"]
+           "--checkpoint.keep=5", "--train.eval_every=4", *FSDP_TP, "--log.wandb=offline"]  # k4_run's mesh and K
     code, out, err = run_main(train_app.main, *run, "--train.steps=12")
     assert code == 0, err
     assert out.strip() == f"{run_dir}: already finished at step 12; train.steps=12. To continue it:" \
@@ -244,7 +244,8 @@ def test_an_id_beyond_the_vocabulary_found_mid_run_stops_cleanly(tmp_path, shake
     corpus = damaged_copy(shakespeare, tmp_path, no_max_id)
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "train.py", "--run_dir", str(run_dir), f"--data.dataset={corpus}",
-                             *SMALL, "--train.steps=100000", "--checkpoint.every=2"],
+                             *SMALL, "--train.steps=100000", "--checkpoint.every=2",
+                             "--train.steps_per_call=4"],  # the one-device train call of the K=4 resume above
                             cwd=ROOT, env=cli_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while not ((run_dir / "checkpoints").exists() and checkpoint_steps(run_dir)):
