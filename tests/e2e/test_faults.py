@@ -65,7 +65,8 @@ def train_in_process(run_dir, shakespeare, *extra):
     return code, out, err
 
 
-# A process that ends at its first write compiles nothing: no compilation cache to write to.
+# A process under a file-size limit from its start must not write (truncated) entries into the session's
+# compilation cache (one limited mid-run loads from a private copy of it: support.cli.private_compile_cache).
 NO_CACHE = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
 
 
