@@ -19,7 +19,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="gpt2-nnx-jax-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# Every process the tests start runs tests/support/site/sitecustomize.py: each process of a multi-process job writes
+# The processes the tests start run tests/support/site/sitecustomize.py: each process of a multi-process job writes
 # its compilations to that cache too (JAX writes only process 0's, and on CPU each process keys its own).
 SITE = str(Path(__file__).resolve().parent / "support" / "site")
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH")) if p)

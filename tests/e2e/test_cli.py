@@ -139,7 +139,7 @@ def test_cli_k4_on_8_devices_equals_k1_on_1_device(k4_run, k1_run):
 
 
 def test_cli_exact_resume_is_bitwise(k4_run, shakespeare, tmp_path):
-    run_dir = rewound(k4_run[0], tmp_path, 4)  # the run as a stop at step 4 leaves it
+    run_dir = rewound(k4_run[0], tmp_path, 4)  # k4_run rewound to its checkpoint 4
     r = run_cli("train.py", *train_args(run_dir, shakespeare, *K4))
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / '4'}" in r.stdout

@@ -30,7 +30,6 @@ from trainer.storage.checkpoints import Checkpoints
 from trainer.telemetry import goodput
 
 
-
 TINY = [*SMALL, "--train.steps=30", "--train.steps_per_call=5", "--checkpoint.every=5", "--optim.grad_clip=0",
         "--optim.warmup_steps=0"]
 

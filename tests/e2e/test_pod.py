@@ -273,6 +273,7 @@ def test_a_tpu_vm_pod_trains_detached_through_a_preemption_and_a_lost_launcher(t
     finally:
         proc.kill()
         out = proc.communicate()[0]
+    assert "finished" not in [r["how"] for r in events(run_dir, "attempt_end")]  # the hosts outlive the launcher
     assert "relaunch 1 of 1" in out and "training on every host, detached" in out, out[-4000:]
     wait_for(lambda: [r["how"] for r in events(run_dir, "attempt_end")][-1:] == ["finished"], "the hosts", 600)
     attach = launch_on_fake_pod(cloud, run_dir, shakespeare, "--topology", "v4-8", "--num_slices", "2", "--attach")

@@ -68,8 +68,8 @@ def test_a_frozen_process_ends_the_other_within_the_stall_timeout_and_the_run_re
 
 
 
-# the environment of a program in tmp_path that imports train.py (beside the tests' sitecustomize)
-IMPORTS_TRAIN = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ["PYTHONPATH"]])}
+# what a program in tmp_path that imports train.py needs on its path (and the tests' sitecustomize)
+WRAPPER_PYTHONPATH = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ["PYTHONPATH"]])}
 
 DEAD_DISK = """
 import os, sys
@@ -98,7 +98,7 @@ def test_a_data_read_that_never_returns_ends_both_processes_with_the_read_on_fil
     program.write_text(DEAD_DISK)
     os.mkfifo(fifo)
     procs = start_processes(run_dir, shakespeare, *STALL_FLAGS, program=program,
-                            env={"DEAD_DISK": str(fifo), **IMPORTS_TRAIN})
+                            env={"DEAD_DISK": str(fifo), **WRAPPER_PYTHONPATH})
     errs, spread = end_both(procs, timeout=400)
     assert [p.returncode for p in procs] == [2, 2], errs
     for i, err in enumerate(errs):
@@ -181,7 +181,7 @@ def test_a_process_stuck_before_its_first_call_is_named_by_every_process(shakesp
     program.write_text(STUCK)
     os.mkfifo(fifo)
     procs = start_processes(run_dir, shakespeare, "--distributed.startup_timeout_seconds=45", program=program,
-                            env={"DEAD_DISK": str(fifo), **IMPORTS_TRAIN})
+                            env={"DEAD_DISK": str(fifo), **WRAPPER_PYTHONPATH})
     errs, spread = end_both(procs, timeout=300)
     assert [p.returncode for p in procs] == [2, 2], errs
     late = ("start-up: process 1 did not come to its first train call within 45 s of the job forming"

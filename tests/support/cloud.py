@@ -409,8 +409,7 @@ def srun(root: Path, argv: list[str]) -> int:
     for i in range(n):
         env = {**os.environ, "SLURM_PROCID": str(i), "SLURM_NTASKS": str(n), "SLURM_LOCALID": "0",
                "SLURM_NODEID": str(i), "SLURM_STEP_NODELIST": os.environ["SLURM_JOB_NODELIST"],
-               "SLURM_STEP_NUM_NODES": str(n), "SLURM_STEP_NUM_TASKS": str(n), "FAKE_GPU_NODE": "1",
-               "PYTHONPATH": str(SITE)}
+               "SLURM_STEP_NUM_NODES": str(n), "SLURM_STEP_NUM_TASKS": str(n), "FAKE_GPU_NODE": "1"}
         _record(root, node="srun", worker=i, command=command, slice=os.environ["SLURM_JOB_ID"])
         procs.append(subprocess.Popen(["bash", "-c", command], env=env))
     return max(p.wait() for p in procs)

@@ -1,12 +1,12 @@
-"""Python's start-up in every process the tests start (tests/conftest.py puts this directory on PYTHONPATH; a fake
-host of tests/support/cloud.py has nothing else on its own). Each change waits for the JAX module it touches to be
+"""Python's start-up in the processes the tests start (tests/conftest.py puts this directory on the PYTHONPATH they
+inherit; a fake host of tests/support/cloud.py has nothing else on its own; the documentation's commands run with
+the checkout's alone, as a user's). Each change waits for the JAX module it touches to be
 imported (a process that does not import JAX pays nothing).
 
-Every process writes its compilations to the session's compilation cache. JAX writes only from process 0, and on
-CPU each process of a job keys a program by its own devices (its topology and device assignment), so process 1
-never found what process 0 had written: process 1 of every two-process test compiled every program cold (the
-same train call seven times in one run of tests/e2e, 6 CPU-s each). A cache-only change: no program or number
-differs.
+Every process writes its compilations to the session's compilation cache: JAX writes only from process 0, and on
+CPU each process of a job keys a program by its own devices, so process 1 never found what process 0 had written
+and compiled every program cold (docs/testing.md has the measurements). A cache-only change: no program or
+number differs.
 
 FAKE_TPU_VM: JAX's import (cloud_tpu_init) finds no TPU chips here and so sets TPU_SKIP_MDS_QUERY, which keeps its
 Cloud TPU cluster detection off the metadata server; a TPU VM has chips and does not set it. (JAX_FORCE_TPU_INIT,
@@ -22,6 +22,7 @@ import importlib.util
 import os
 import sys
 import time
+import warnings
 
 
 class _After(importlib.abc.MetaPathFinder):
@@ -71,7 +72,7 @@ def _visible_devices_only(distributed):
 
 
 def _every_process_writes_the_cache(compiler):
-    from jax._src import compilation_cache, distributed
+    from jax._src import compilation_cache, config, distributed
 
     compile_and_write = compiler._compile_and_write_cache
 
@@ -80,12 +81,15 @@ def _every_process_writes_the_cache(compiler):
         start = time.monotonic()
         executable = compile_and_write(backend, computation, executable_devices, compile_options, host_callbacks,
                                        module_name, cache_key)
-        if distributed.global_state.process_id != 0 and not host_callbacks:  # process 0's is written already
+        took = time.monotonic() - start
+        # process 0's is written already; the rest of JAX's own rule for a write (compiler._cache_write)
+        if (distributed.global_state.process_id != 0 and not host_callbacks
+                and took >= config.persistent_cache_min_compile_time_secs.value):
             try:
-                compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
-                                                          int(time.monotonic() - start))
-            except Exception:  # as JAX's own write: a cache that cannot be written costs a compile, nothing else
-                pass
+                compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend, int(took))
+            except Exception as e:  # as JAX's own write: said, and the program runs
+                warnings.warn(f"Error writing persistent compilation cache entry for '{module_name}':"
+                              f" {type(e).__name__}: {e}")
         return executable
 
     compiler._compile_and_write_cache = compile_and_write_from_any_process
