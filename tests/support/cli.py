@@ -46,11 +46,27 @@ def run_cli(script: str, *args: str, devices: int = 8, timeout: int = 600, env: 
                           capture_output=True, text=True, timeout=timeout)
 
 
+@contextlib.contextmanager
+def exit_raises():
+    """os._exit in the block raises SystemExit instead: a run in this process that fails by abandoning its threads
+    (a failed checkpoint save) ends with its status and its line, not by ending the test worker unexplained."""
+    real = os._exit
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    os._exit = exit_
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
 def run_main(main, *args: str) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of an entry point's `main(argv)` called in this process: for the checks
     that end a run before any JAX work, in milliseconds instead of a subprocess's seconds."""
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), exit_raises():
         try:
             code = main(list(args)) or 0
         except SystemExit as e:
