@@ -35,6 +35,7 @@ from support.cli import (
     run_main,
     step_losses,
 )
+from trainer.storage.run_dir import RunDir
 from trainer.telemetry import goodput
 
 # 2 steps per call, a checkpoint after every call (all kept), an evaluation every 8 steps
@@ -101,14 +102,9 @@ def resume_and_compare(run_dir, shakespeare, reference):
 
 def steps_recorded(run_dir):
     """The last step of the train calls events.jsonl records (the goodput record, written just after a call's
-    metrics lines: a kill between the two leaves that call out of it). A line being written is not read."""
-    path, last = run_dir / "events.jsonl", 0
-    for line in path.read_text().splitlines() if path.exists() else []:
-        with contextlib.suppress(json.JSONDecodeError):
-            r = json.loads(line)
-            if r["event"] == "train_call":
-                last = max(last, r["first"] + r["steps"])
-    return last
+    metrics lines: a kill between the two leaves that call out of it). A line being written is left out."""
+    records, _ = RunDir(run_dir).load_events(say_torn=False)
+    return max((r["first"] + r["steps"] for r in records if r["event"] == "train_call"), default=0)
 
 
 def _mid_save(run_dir):

@@ -10,7 +10,7 @@ import numpy as np
 
 from configs.base import Config, GuardConfig
 from support.faults import nan_gradient_at
-from support.train_calls import BATCHES, NANO_RUN, call_metrics, param_diff, run_calls
+from support.train_calls import BATCHES, NANO_RUN, call_metrics, one_device, param_diff, run_calls
 from trainer.program.mesh import make_mesh
 from trainer.program.train_program import TrainProgram
 
@@ -41,7 +41,7 @@ def test_the_guard_is_bitwise_a_no_op_until_a_lasting_new_level_restarts_it(monk
     """Gradients 100x larger from step 5 on. Steps 1-4 (nothing to skip) are bitwise the unguarded call's;
     steps 5-7 are skipped, and `warmup` (3) skips in a row restart the statistics, so step 8 is taken at the
     new level instead of every later step being skipped."""
-    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    mesh = one_device()
     plain, (plain_metrics,) = call_metrics(NANO_RUN, mesh, [BATCHES])
     monkeypatch.setattr(TrainProgram, "_gradient_hook", lambda self, grads, step: jax.tree.map(
         lambda g: jnp.where(step + 1 >= 5, 100 * g, g), grads))
@@ -55,5 +55,5 @@ def test_the_guard_is_bitwise_a_no_op_until_a_lasting_new_level_restarts_it(monk
 
 def test_unguarded_call_reports_a_non_finite_state(monkeypatch):
     nan_gradient_at(monkeypatch, 2)
-    _, (metrics,) = call_metrics(NANO_RUN, make_mesh(1, 1, 1, devices=jax.devices()[:1]), [BATCHES])
+    _, (metrics,) = call_metrics(NANO_RUN, one_device(), [BATCHES])
     assert not bool(metrics["state_finite"])

@@ -1,7 +1,7 @@
 """Python's start-up in the processes the tests start (tests/conftest.py puts this directory on the PYTHONPATH they
 inherit; a fake host of tests/support/cloud.py has nothing else on its own; the documentation's commands run with
-the checkout's alone, as a user's). Each change waits for the JAX module it touches to be
-imported (a process that does not import JAX pays nothing).
+the checkout's alone, as a user's). Each change waits for the JAX module it touches to be imported (a process
+that does not import JAX pays nothing).
 
 Every process writes its compilations to the session's compilation cache: JAX writes only from process 0, and on
 CPU each process of a job keys a program by its own devices, so process 1 never found what process 0 had written
