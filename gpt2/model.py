@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from gpt2.config import GPT2Config, remat_policy
@@ -154,9 +153,39 @@ def next_token_loss(model: GPT2, batch: jax.Array, dropout_key: jax.Array | None
     x, y = batch[:, :-1], batch[:, 1:]  # [B, T] inputs and next-token targets
     logits = model(x, dropout_key=dropout_key)  # [B, T, V]
     with jax.named_scope("loss"):
-        # float32 log-softmax even when the matmuls ran in bfloat16
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
+        losses = cross_entropy(logits, y)
     return losses.mean()
+
+
+@jax.custom_vjp
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:  # [..., V] float, [...] int -> [...] float32
+    """Softmax cross-entropy computed in float32 even when the logits are bfloat16: optax's
+    `softmax_cross_entropy_with_integer_labels` of `logits.astype(float32)`, with its own backward.
+
+    Differentiated through optax, the backward keeps the float32 log-softmax, a [B·T, V] array of 4-byte values: on
+    a GPU writing and re-reading it were a tenth of gpt2_124m's step (docs/performance.md). This backward keeps the
+    logits as they came (2 bytes each in bfloat16) and one log-normalizer per row, and recomputes the softmax from
+    them in the one pass that writes the logits' gradient, in their dtype (as the cast's transpose did).
+    """
+    return _cross_entropy_fwd(logits, labels)[0]
+
+
+def _cross_entropy_fwd(logits, labels):
+    z = logits.astype(jnp.float32)
+    log_normalizer = jax.nn.logsumexp(z, axis=-1)
+    label_logit = jnp.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
+    return log_normalizer - label_logit, (logits, labels, log_normalizer)
+
+
+def _cross_entropy_bwd(residuals, g):
+    logits, labels, log_normalizer = residuals
+    z = logits.astype(jnp.float32)
+    softmax = jnp.exp(z - log_normalizer[..., None])
+    is_label = labels[..., None] == jnp.arange(z.shape[-1])
+    return ((softmax - is_label) * g[..., None]).astype(logits.dtype), None
+
+
+cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def documents(idx: jax.Array) -> tuple[jax.Array, jax.Array]:  # [B, T] -> ([B, T], [B, T]) int32
