@@ -162,22 +162,23 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:  # [..., V
     """Softmax cross-entropy computed in float32 even when the logits are bfloat16: optax's
     `softmax_cross_entropy_with_integer_labels` of `logits.astype(float32)`, with its own backward.
 
-    Differentiated through optax, the backward keeps the float32 log-softmax, a [B·T, V] array of 4-byte values: on
-    a GPU writing and re-reading it were a tenth of gpt2_124m's step (docs/performance.md). This backward keeps the
-    logits as they came (2 bytes each in bfloat16) and one log-normalizer per row, and recomputes the softmax from
-    them in the one pass that writes the logits' gradient, in their dtype (as the cast's transpose did).
+    Differentiated through optax, the backward keeps a float32 softmax, a [B·T, V] array of 4-byte values written
+    and read back. This backward keeps the logits as they came (2 bytes each in bfloat16) and one log-normalizer per
+    row, and recomputes the softmax from them in the one pass that writes the logits' gradient, in their dtype (as
+    the cast's transpose did): on an H200 the loss's passes over the logits went from 2.8 to 1.8 ms of gpt2_124m's
+    26.5 ms step (docs/performance.md).
     """
     return _cross_entropy_fwd(logits, labels)[0]
 
 
-def _cross_entropy_fwd(logits, labels):
+def _cross_entropy_fwd(logits, labels):  # [..., V], [...] -> [...] losses, residuals
     z = logits.astype(jnp.float32)
     log_normalizer = jax.nn.logsumexp(z, axis=-1)
     label_logit = jnp.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
     return log_normalizer - label_logit, (logits, labels, log_normalizer)
 
 
-def _cross_entropy_bwd(residuals, g):
+def _cross_entropy_bwd(residuals, g):  # g: [...] -> the logits' gradient [..., V], none for the labels
     logits, labels, log_normalizer = residuals
     z = logits.astype(jnp.float32)
     softmax = jnp.exp(z - log_normalizer[..., None])

@@ -91,20 +91,6 @@ BUDGET_S = 15 * 60  # docs/testing.md: `bash .ci/run` on a fresh clone of the 2-
 _started = time.monotonic()
 
 
-def pytest_collection_modifyitems(items):
-    """The order xdist hands the files out in (pyproject.toml turns its own off: --no-loadscope-reorder): files that
-    set START_FIRST, then the others by how many tests they hold, most first (xdist's own order). A file of one long
-    test, handed out last by its count, ended the run alone on one core for over a minute (docs/testing.md)."""
-    by_file = collections.defaultdict(list)
-    for item in items:
-        by_file[item.path].append(item)
-
-    def order(path):
-        return not getattr(by_file[path][0].module, "START_FIRST", False), -len(by_file[path])
-
-    items[:] = [item for path in sorted(by_file, key=order) for item in by_file[path]]
-
-
 def pytest_terminal_summary(terminalreporter):
     """The wall time against the budget, and the files that took the most test time (over all workers), so that a
     change that grows the suite shows where."""

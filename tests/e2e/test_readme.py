@@ -19,9 +19,6 @@ import sys
 from support.cli import ROOT, cli_env
 from support.docs import commands, marked_blocks
 
-# Handed out to an xdist worker first (tests/conftest.py): the commands run one after another for ~2.5 minutes.
-START_FIRST = True
-
 SMALL_RUN = ["--train.steps=4", "--checkpoint.every=2", "--train.eval_every=2", "--train.steps_per_call=2",
              "--train.eval_batches=1", "--train.sample_tokens=4", "--log.wandb=disabled", "--log.progress=false"]
 
