@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from gpt2.config import GPT2Config, remat_policy
@@ -157,28 +158,36 @@ def next_token_loss(model: GPT2, batch: jax.Array, dropout_key: jax.Array | None
     return losses.mean()
 
 
-@jax.custom_vjp
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:  # [..., V] float, [...] int -> [...] float32
     """Softmax cross-entropy computed in float32 even when the logits are bfloat16: optax's
-    `softmax_cross_entropy_with_integer_labels` of `logits.astype(float32)`, with its own backward.
+    `softmax_cross_entropy_with_integer_labels` of `logits.astype(float32)`, with a backward of its own for
+    low-precision logits.
 
     Differentiated through optax, the backward keeps a float32 softmax, a [B·T, V] array of 4-byte values written
-    and read back. This backward keeps the logits as they came (2 bytes each in bfloat16) and one log-normalizer per
-    row, and recomputes the softmax from them in the one pass that writes the logits' gradient, in their dtype (as
-    the cast's transpose did): on an H200 the loss's passes over the logits went from 2.8 to 1.8 ms of gpt2_124m's
-    26.5 ms step (docs/performance.md).
+    and read back. For bfloat16 logits `_narrow_cross_entropy` keeps the logits as they came (2 bytes each) and one
+    log-normalizer per row instead, and recomputes the softmax in the one pass that writes the logits' gradient: on an
+    H200 the loss's passes over the logits went from 2.8 to 1.8 ms of gpt2_124m's 26.5 ms step (docs/performance.md).
+    Float32 logits keep optax's: there the softmax kept is no larger than the logits, and recomputing it costs an
+    exponential per logit (on a CPU the loss and its gradient took 2.2x as long).
     """
-    return _cross_entropy_fwd(logits, labels)[0]
+    if logits.dtype == jnp.float32:
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return _narrow_cross_entropy(logits, labels)
 
 
-def _cross_entropy_fwd(logits, labels):  # [..., V], [...] -> [...] losses, residuals
+@jax.custom_vjp
+def _narrow_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    return _narrow_cross_entropy_fwd(logits, labels)[0]
+
+
+def _narrow_cross_entropy_fwd(logits, labels):  # [..., V], [...] -> [...] losses, residuals
     z = logits.astype(jnp.float32)
     log_normalizer = jax.nn.logsumexp(z, axis=-1)
     label_logit = jnp.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
     return log_normalizer - label_logit, (logits, labels, log_normalizer)
 
 
-def _cross_entropy_bwd(residuals, g):  # g: [...] -> the logits' gradient [..., V], none for the labels
+def _narrow_cross_entropy_bwd(residuals, g):  # g: [...] -> the logits' gradient [..., V], none for the labels
     logits, labels, log_normalizer = residuals
     z = logits.astype(jnp.float32)
     softmax = jnp.exp(z - log_normalizer[..., None])
@@ -186,7 +195,7 @@ def _cross_entropy_bwd(residuals, g):  # g: [...] -> the logits' gradient [..., 
     return ((softmax - is_label) * g[..., None]).astype(logits.dtype), None
 
 
-cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+_narrow_cross_entropy.defvjp(_narrow_cross_entropy_fwd, _narrow_cross_entropy_bwd)
 
 
 def documents(idx: jax.Array) -> tuple[jax.Array, jax.Array]:  # [B, T] -> ([B, T], [B, T]) int32
