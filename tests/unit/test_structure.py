@@ -1,8 +1,11 @@
 """The house rules a reorganization must keep: no import cycle anywhere (imports inside functions and under
 TYPE_CHECKING count), no module over ~500 lines, the storage layer's first three modules usable without JAX, entry
-points as thin as nanodo's, training that never imports planning, and each config bound stated once."""
+points as thin as nanodo's, training that never imports planning, each config bound stated once, and a suite that
+leaves the developer's home alone."""
 
 import ast
+import os
+import pwd
 import subprocess
 import sys
 
@@ -187,3 +190,13 @@ def test_tests_reach_the_entry_points_only_through_main():
                   if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases
                   and n.attr != "main"]
     assert not found, found
+
+
+def test_the_suite_runs_in_a_home_of_its_own():
+    """What the app keeps under ~ (the CPU peak MFU divides by, plan.py's compile store, a gs:// run's local files)
+    goes to the session's home (tests/conftest.py), in this process and in every process it starts: never to the
+    developer's, whose `make train` reads that peak."""
+    developers = pwd.getpwuid(os.getuid()).pw_dir
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.path.expanduser('~'))"], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    assert os.path.expanduser("~") == child != developers
