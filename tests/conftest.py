@@ -22,7 +22,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # A home of the session's own, for this process and every one it starts: what the app and its libraries keep under
 # ~ (the CPU's measured peak that MFU divides by, plan.py's compile store, a gs:// run's local files, wandb's and
 # Hugging Face's caches) is the session's, not the developer's. The suite's runs measure the CPU's peak with both
-# cores busy: written to the developer's ~/.cache it read 43 GFLOP/s, and `make train` then reported MFU over 100 %.
+# cores busy: written to the developer's ~/.cache it read 43 GFLOP/s (478 on the quiet machine), and `make train`'s
+# MFU, divided by it, read eleven times too high.
 os.environ["HOME"] = tempfile.mkdtemp(prefix="gpt2-nnx-home-")
 # The processes the tests start run tests/support/site/sitecustomize.py: each process of a multi-process job writes
 # its compilations to that cache too (JAX writes only process 0's, and on CPU each process keys its own).

@@ -64,7 +64,8 @@ def test_cli_run_leaves_metrics_checkpoints_plot_config_and_sample(k4_run):
     assert "wte.embedding" in result.stdout  # the parameter report (--log.param_report)
     # a start-up summary of a few lines, and where every output went
     assert result.stdout.startswith(f"run      {run_dir} (new; config.json)\nmodel    ")
-    assert f"outputs: checkpoints {run_dir / 'checkpoints'}/{{4,8,12}}, metrics {run_dir / 'metrics.jsonl'}" in result.stdout
+    outputs = f"outputs: checkpoints {run_dir / 'checkpoints'}/{{4,8,12}}, metrics {run_dir / 'metrics.jsonl'}"
+    assert outputs in result.stdout
 
 
 def test_cli_losses_fall(k4_run):
@@ -199,7 +200,8 @@ def test_cli_eval_all_checkpoints_compiles_once_and_samples(k4_run, tmp_path, mo
 
     built = []
     build = evaluation.Evaluator.build
-    monkeypatch.setattr(evaluation.Evaluator, "build", classmethod(lambda cls, *a: built.append(build(*a)) or built[-1]))
+    monkeypatch.setattr(evaluation.Evaluator, "build",
+                        classmethod(lambda cls, *a: built.append(build(*a)) or built[-1]))
     out = tmp_path / "eval.json"
     code, stdout, stderr = run_main(eval_app.main, "--run_dir", str(k4_run[0]), "--all", "--batches", "2",
                                     "--prompt", "KING:", "--max_new_tokens", "5", "--temperature", "0",
@@ -340,12 +342,13 @@ def test_refusals_on_resume_name_the_fields(k4_run, shakespeare, tmp_path):
     message = refused("--optim.decay_steps=2000")
     assert "resuming would change the learning-rate schedule (optim.decay_steps" in message
     assert "1000 -> 2000" in message and "--train.reschedule=True" in message
-    assert "(optim.lr: 0.002 -> 0.001); keep the old values, or pass --train.reschedule=True" in refused("--optim.lr=1e-3")
+    assert ("(optim.lr: 0.002 -> 0.001); keep the old values, or pass --train.reschedule=True"
+            in refused("--optim.lr=1e-3"))
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"} == \
         {p: t for p, t in before.items() if p.name != ".lock"}
 
 
-def test_a_profile_is_one_flag_away_and_changes_no_number(k1_run, shakespeare, tmp_path):
+def test_a_profile_is_one_flag_away_and_changes_no_number(shakespeare, tmp_path):
     """`--log.profile_start` writes a jax.profiler trace into the run directory; training is bitwise the same."""
     code, out, err = run_main(train_app.main, *train_args(tmp_path, shakespeare, "--train.steps=8",
                                                           "--train.steps_per_call=1", "--log.profile_start=3",

@@ -171,8 +171,9 @@ def test_no_config_docstring_restates_a_fields_meaning():
     from data.prepare.config import PrepareConfig
     from tools.export_hf import ExportConfig
 
-    classes = [EvalConfig, PrepareConfig, ExportConfig, Config] + [type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)
-                                                      if dataclasses.is_dataclass(getattr(Config(), f.name))]
+    sections = [type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)
+                if dataclasses.is_dataclass(getattr(Config(), f.name))]
+    classes = [EvalConfig, PrepareConfig, ExportConfig, Config] + sections
     assert not [c.__name__ for c in classes if "Attributes:" in (c.__doc__ or "")]
 
 
