@@ -14,9 +14,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-# JAX's persistent compilation cache: each pytest session (and its xdist workers, which inherit the variable
-# from the controller) compiles a program once. The first run of every program still compiles from scratch.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="gpt2-nnx-jax-cache-"))
+
+
+def session_folder(variable: str, prefix: str) -> str:
+    """A folder made once per pytest session, by the controller, and named in `variable` (unless it is set already):
+    the xdist workers, which run this file again, and every process the tests start inherit it."""
+    if variable not in os.environ:
+        os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+    return os.environ[variable]
+
+
+# JAX's persistent compilation cache: each pytest session compiles a program once. The first run of every program
+# still compiles from scratch.
+session_folder("JAX_COMPILATION_CACHE_DIR", "gpt2-nnx-jax-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # A home of the session's own, for this process and every one it starts: what the app and its libraries keep under
@@ -24,7 +34,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Hugging Face's caches) is the session's, not the developer's. The suite's runs measure the CPU's peak with both
 # cores busy: written to the developer's ~/.cache it read 43 GFLOP/s (478 on the quiet machine), and `make train`'s
 # MFU, divided by it, read eleven times too high.
-os.environ["HOME"] = tempfile.mkdtemp(prefix="gpt2-nnx-home-")
+os.environ["HOME"] = session_folder("GPT2_NNX_TEST_HOME", "gpt2-nnx-home-")
 # The processes the tests start run tests/support/site/sitecustomize.py: each process of a multi-process job writes
 # its compilations to that cache too (JAX writes only process 0's, and on CPU each process keys its own).
 SITE = str(Path(__file__).resolve().parent / "support" / "site")
