@@ -6,6 +6,7 @@ and the GCS server fixtures. Helpers, fakes and servers are in tests/support/.
 
 import collections
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -16,11 +17,15 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+_MADE = []  # the session folders this process made (the controller), removed when the session ends
+
+
 def session_folder(variable: str, prefix: str) -> str:
     """A folder made once per pytest session, by the controller, and named in `variable` (unless it is set already):
     the xdist workers, which run this file again, and every process the tests start inherit it."""
     if variable not in os.environ:
         os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+        _MADE.append(os.environ[variable])
     return os.environ[variable]
 
 
@@ -122,3 +127,9 @@ def pytest_terminal_summary(terminalreporter):
                                     f" `bash .ci/run` is {BUDGET_S // 60} min, docs/testing.md)")
     for path, seconds in by_file.most_common(8):
         terminalreporter.write_line(f"{seconds:7.1f} s  {path}")
+
+
+def pytest_unconfigure(config):
+    """The session's folders go with it (its compilation cache is ~50 MB), once every worker has ended."""
+    for folder in _MADE:
+        shutil.rmtree(folder, ignore_errors=True)
