@@ -17,15 +17,16 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
-_MADE = []  # the session folders this process made (the controller), removed when the session ends
+_FOLDERS_MADE_HERE = []
 
 
 def session_folder(variable: str, prefix: str) -> str:
-    """A folder made once per pytest session, by the controller, and named in `variable` (unless it is set already):
-    the xdist workers, which run this file again, and every process the tests start inherit it."""
+    """A folder made once per pytest session, by the first process to import this file (the controller under xdist),
+    and named in `variable` unless it is set already: the xdist workers, which run this file again, and every
+    process the tests start inherit it. The process that made it removes it when the session ends."""
     if variable not in os.environ:
         os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
-        _MADE.append(os.environ[variable])
+        _FOLDERS_MADE_HERE.append(os.environ[variable])
     return os.environ[variable]
 
 
@@ -34,11 +35,8 @@ def session_folder(variable: str, prefix: str) -> str:
 session_folder("JAX_COMPILATION_CACHE_DIR", "gpt2-nnx-jax-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# A home of the session's own, for this process and every one it starts: what the app and its libraries keep under
-# ~ (the CPU's measured peak that MFU divides by, plan.py's compile store, a gs:// run's local files, wandb's and
-# Hugging Face's caches) is the session's, not the developer's. The suite's runs measure the CPU's peak with both
-# cores busy: written to the developer's ~/.cache it read 43 GFLOP/s (478 on the quiet machine), and `make train`'s
-# MFU, divided by it, read eleven times too high.
+# A home of the session's own: what the suite's runs leave under ~ (a CPU peak measured on busy cores, which `make
+# train` would divide its MFU by) must not reach the developer's (docs/testing.md, "Tiers by folder").
 os.environ["HOME"] = session_folder("GPT2_NNX_TEST_HOME", "gpt2-nnx-home-")
 # The processes the tests start run tests/support/site/sitecustomize.py: each process of a multi-process job writes
 # its compilations to that cache too (JAX writes only process 0's, and on CPU each process keys its own).
@@ -131,5 +129,5 @@ def pytest_terminal_summary(terminalreporter):
 
 def pytest_unconfigure(config):
     """The session's folders go with it (its compilation cache is ~50 MB), once every worker has ended."""
-    for folder in _MADE:
+    for folder in _FOLDERS_MADE_HERE:
         shutil.rmtree(folder, ignore_errors=True)

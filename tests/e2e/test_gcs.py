@@ -385,11 +385,15 @@ SAVE_4 = (b"checkpoints%2F4%2F", b"checkpoints/4/")  # any request of checkpoint
 
 
 def test_storage_outages_shorter_than_the_retry_budget_change_nothing(gcs, outages, gs_run, shakespeare):
-    """The server stops for 3 s in the middle of a checkpoint save, then of a lock refresh, then of an append to
-    metrics.jsonl or events.jsonl; every request retries within the budget and the run equals the uninterrupted one bitwise."""
-    outages.after(SAVE_4, 3)
-    outages.after((b'falter/.lock.json"',), 3)  # a refresh: the create came before the save
+    """The server stops for 3 s in the middle of an append to metrics.jsonl or events.jsonl, then of a checkpoint
+    save, then of a lock refresh; every request retries within the budget and the run equals the uninterrupted one
+    bitwise. In this order each outage's request is sure to come after the one before has fired (the queue arms them
+    one by one): appends begin by step 2, step 4's save follows, and the lock's holder, refreshing every second, has
+    a refresh to retry when that outage ends. An append last could find the run's appends all done (a fresh clone
+    failed so)."""
     outages.after((b"metrics.jsonl/compose", b"events.jsonl/compose"), 3)  # an append to either log
+    outages.after(SAVE_4, 3)
+    outages.after((b'falter/.lock.json"',), 3)  # a refresh: the create came before the first append
     code, out, err = run_main(train_app.main, *args(gs("falter"), shakespeare, "--storage.retry_seconds=60",
                                                     "--storage.lock_refresh_seconds=1", "--storage.metrics_every=1"))
     assert code == 0, err[-3000:]

@@ -5,9 +5,10 @@ leaves the developer's home alone."""
 
 import ast
 import os
-import pwd
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from support.cli import ROOT
 
@@ -194,10 +195,8 @@ def test_tests_reach_the_entry_points_only_through_main():
 
 
 def test_the_suite_runs_in_a_home_of_its_own():
-    """What the app keeps under ~ (the CPU peak MFU divides by, plan.py's compile store, a gs:// run's local files)
-    goes to the session's home (tests/conftest.py), in this process and in every process it starts: never to the
-    developer's, whose `make train` reads that peak."""
-    developers = pwd.getpwuid(os.getuid()).pw_dir
+    """`~` is the session's temporary home (tests/conftest.py) here and in every process the tests start."""
     child = subprocess.run([sys.executable, "-c", "import os; print(os.path.expanduser('~'))"], capture_output=True,
                            text=True, check=True).stdout.strip()
-    assert os.path.expanduser("~") == child != developers
+    assert child == os.path.expanduser("~") == os.environ["GPT2_NNX_TEST_HOME"]
+    assert Path(child).parent == Path(tempfile.gettempdir())
