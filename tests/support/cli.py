@@ -145,11 +145,18 @@ def fsdp_tp_run_args(run_dir, shakespeare, *extra):
 
 
 def wandb_records(path):
-    """The protobuf records of a .wandb file (wandb's LevelDB-style log: 32 KiB blocks, 7-byte headers)."""
+    """The protobuf records of a .wandb file (wandb's LevelDB-style log: 32 KiB blocks, 7-byte headers).
+
+    A run made in this process is read after wandb.teardown(): run.finish() returns once the service has the
+    run's records, and the service writes the file out only as it closes the run, soon after; on busy cores the
+    file still held its 7-byte header alone (a CI run; 1 in 25 beside three busy loops). The teardown waits
+    for the service to exit; the next wandb.init starts a new one."""
     import struct
 
+    import wandb
     from wandb.proto import wandb_internal_pb2
 
+    wandb.teardown()
     data = path.read_bytes()
     assert data[:4] == b":W&B"
     pos, block, pending, records = 7, 32768, b"", []
