@@ -79,7 +79,8 @@ def print_table(results: dict) -> None:
     print(f"{'shape':<8} {'device/call':>12} {'waiting loop':>22} {'async loop':>22}")
     for shape, r in results.items():
         print(f"{shape:<8} {r['device_s'] * 1e3:>10.1f}ms {r['sync_cycle_s'] * 1e3:>9.1f}ms"
-              f" host {r['sync_host_share']:>5.1%}  {r['async_cycle_s'] * 1e3:>9.1f}ms host {r['async_host_share']:>5.1%}")
+              f" host {r['sync_host_share']:>5.1%}  {r['async_cycle_s'] * 1e3:>9.1f}ms"
+              f" host {r['async_host_share']:>5.1%}")
 
 
 def main(argv=None) -> None:

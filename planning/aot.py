@@ -42,8 +42,8 @@ def parse_topology(topology: str) -> tuple[str, int]:
     if not star:
         return name, 1
     if not count.isdigit() or int(count) < 1:
-        raise ConfigError(f"--topology {topology}: the number of slices after '*' must be a positive integer, got {count!r}"
-                          " (e.g. v5e:16x16*2)")
+        raise ConfigError(f"--topology {topology}: the number of slices after '*' must be a positive integer, "
+                          f"got {count!r} (e.g. v5e:16x16*2)")
     return name, int(count)
 
 
@@ -61,7 +61,8 @@ def topology_devices(topology: str):
         )
     except Exception as e:  # libtpu missing, or a name it does not know
         hint = ("" if importlib.util.find_spec("libtpu") else "; install the `tpu` extra (pip install -e '.[tpu]')")
-        raise ConfigError(f"--topology {topology}: cannot describe this topology ({str(e).splitlines()[0]}){hint}") from None
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"--topology {topology}: cannot describe this topology ({reason}){hint}") from None
     return topo.devices
 
 

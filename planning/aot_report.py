@@ -1,6 +1,6 @@
-"""What `plan.py --topology T` prints: a first line saying what is compiled for what (before the compile), then a verdict — fits
-or not, the predicted step with its range, tokens/s per chip, MFU in both conventions — then the breakdown behind
-it. Every figure is predicted from the compiled program, not measured.
+"""What `plan.py --topology T` prints: a first line saying what is compiled for what (before the compile), then a
+verdict — fits or not, the predicted step with its range, tokens/s per chip, MFU in both conventions — then the
+breakdown behind it. Every figure is predicted from the compiled program, not measured.
 """
 
 from __future__ import annotations

@@ -4,14 +4,14 @@ compiled on its own for a TPU topology (no TPU needed), our estimate vs libtpu's
     python -m planning.calibrate          # 4 generations × (3 rate probes + 9 classes × 6 shapes)
     python -m planning.calibrate --chips v5e v6e --draws 2 --seed 7 --json sweep.json --fit
 
-Each op runs on every chip of a 4-chip mesh with replicated inputs (or rows split over the chips, where a class
-says so), compiled with op_cost.HBM_ONLY; each chip gets its own draws. Shapes are drawn from the GPT-2 range: rows 512..16384, widths
-64..6400, head dim 64 or 128, sequence 256..2048, vocabulary 50304 or 50257. The table has, per program:
-ours (trainer/step_time.py's predicted_s), libtpu's optimal_seconds and their ratio, and `formula`: libtpu's
-figure rebuilt from the HLO by its own accounting (op_cost's module docstring) at the rates in op_cost.RATES, to
-show that formula and those rates are the whole of its model. `--fit` prints the rates fitted to this run's
-figures (each the largest count / optimal_seconds over the programs; the rate probes attain them). About a
-second per compile: the default sweep is ~230 compiles, ~5 minutes on 2 free cores.
+Each op runs on every chip of a 4-chip mesh with replicated inputs (or rows split over the chips, where a class says
+so), compiled with op_cost.HBM_ONLY; each chip gets its own draws. Shapes are drawn from the GPT-2 range: rows
+512..16384, widths 64..6400, head dim 64 or 128, sequence 256..2048, vocabulary 50304 or 50257. The table has, per
+program: ours (trainer/step_time.py's predicted_s), libtpu's optimal_seconds and their ratio, and `formula`: libtpu's
+figure rebuilt from the HLO by its own accounting (op_cost's module docstring) at the rates in op_cost.RATES, to show
+that formula and those rates are the whole of its model. `--fit` prints the rates fitted to this run's figures (each the
+largest count / optimal_seconds over the programs; the rate probes attain them). About a second per compile: the default
+sweep is ~230 compiles, ~5 minutes on 2 free cores.
 """
 
 from __future__ import annotations

@@ -351,9 +351,9 @@ def text(p: Plan, hbm_bytes: float) -> str:
     return "\n".join([
         *verdict(p, hbm_bytes),
         "",
-        f"{len(p.outcomes)} candidate{'s' * (len(p.outcomes) > 1)} compiled in {p.elapsed_s:.0f} s ({budget}; --budget SECONDS): a"
-        " coordinate descent from the preset, one pass over " + ", ".join(AXES) + ", one axis at a time with the"
-        " others held at the best so far; not a full grid.",
+        f"{len(p.outcomes)} candidate{'s' * (len(p.outcomes) > 1)} compiled in {p.elapsed_s:.0f} s"
+        f" ({budget}; --budget SECONDS): a coordinate descent from the preset, one pass over " + ", ".join(AXES)
+        + ", one axis at a time with the others held at the best so far; not a full grid.",
         "Figures per chip, predicted from each compiled program (train.steps_per_call=1), not measured. step ms:"
         " ops in series, each at max(its FLOPs, its HBM bytes) at libtpu's cost model's rates, plus their fixed"
         " costs and the collectives the schedule leaves exposed. MFU: 6N + attention over every query-key pair"

@@ -424,7 +424,8 @@ def estimate_hlo(text: str, chip: Chip | str, mesh_shape: dict[str, int], *, ste
     return StepTimeEstimate(
         chip=chip, flops=cost.flops / k, hbm_bytes=cost.hbm_bytes / k, compute_s=cost.compute_s / k,
         hbm_s=cost.hbm_s / k, roofline_s=cost.roofline_s / k, collectives=collectives,
-        model_flops=model_flops_per_step, causal_model_flops=causal_model_flops_per_step, opaque_kernels=cost.opaque_kernels / k, unknown_loops=cost.unknown_loops,
+        model_flops=model_flops_per_step, causal_model_flops=causal_model_flops_per_step,
+        opaque_kernels=cost.opaque_kernels / k, unknown_loops=cost.unknown_loops,
         memory_bound_s=cost.memory_bound_s / k, splash_kernels=cost.splash_kernels / k, ops=cost.ops / k,
         fixed_s=cost.ops / k * OP_OVERHEAD_S if fixed_costs else 0.0,
         dispatch_s=_arguments(comps[entry]) * DISPATCH_S_PER_ARGUMENT / k if fixed_costs else 0.0,

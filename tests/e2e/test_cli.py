@@ -5,16 +5,16 @@ profiles. The checks before any work: tests/unit."""
 import json
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import eval as eval_app
 import train as train_app
-from support.cli import ROOT, SMALL, checkpoint_steps, read_jsonl, read_only, run_cli, run_main, step_losses
+from support.cli import (ROOT, SMALL, checkpoint_steps, eval_error, read_jsonl, read_only, rewound, run_cli, run_main,
+                         step_losses, wandb_records)
 from support.corpora import damaged_copy, edit_meta, truncate_train_bin
-from support.cli import eval_error, rewound
-from support.cli import wandb_records
 
 
 def train_args(run_dir, shakespeare, *extra):
@@ -310,6 +310,9 @@ def test_eval_of_a_read_only_run_dir_asks_for_out_first_then_evaluates(k4_copy, 
     assert "step 12: val_loss" in out and (tmp_path / "results.json").exists()
     assert len(err) == 1 and err[0].startswith(f"warning: cannot write library logs to {k4_copy / 'logs'}/process_0"
                                                ".log (Read-only file system); they are in ")
+    elsewhere = Path(err[0].split("; they are in ")[1])
+    assert "Given directory is read only" in elsewhere.read_text()  # Orbax's record of the read-only checkpoints
+    elsewhere.unlink()  # in the temporary directory, where no run directory removes it
 
 
 def test_a_truncated_safetensors_file_is_one_line_naming_it(tmp_path, shakespeare):

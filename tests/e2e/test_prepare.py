@@ -185,7 +185,8 @@ def test_refuses_files_it_did_not_write(corpus, tmp_path, capsys, foreign):
     out = tmp_path / "o"
     out.mkdir()
     (out / foreign).write_text('{"mine": 1}')
-    assert foreign in prepare_error(capsys, *_args(corpus, out)) and "--overwrite" in prepare_error(capsys, *_args(corpus, out))
+    said = prepare_error(capsys, *_args(corpus, out))
+    assert foreign in said and "--overwrite" in said
     assert (out / foreign).read_text() == '{"mine": 1}'
     prepare_cli(*_args(corpus, out, "--overwrite"))
     assert files_of(out) == files_of(corpus / "ref")

@@ -105,3 +105,12 @@ def test_a_benchmark_that_cannot_load_stops_training_before_it_starts(tmp_path, 
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "train.eval_tasks: cannot load the tasks' documents" in err and "train.include_path" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_check_before_the_run_and_its_evaluations_share_one_task_index(tasks_dir):
+    """Indexing lm-eval's built-in tasks takes ~7 s: the start-up check (which names the run's flags in its
+    errors) and every evaluation after it (whatever tasks it asks for) read the same index of a folder."""
+    from trainer.eval.harness import task_manager
+
+    checked = task_manager("tiny_mc", str(tasks_dir), ("--train.eval_tasks", "--train.include_path"))
+    assert task_manager("tiny_mc,tiny_rolling", str(tasks_dir)) is checked

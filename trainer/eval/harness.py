@@ -217,21 +217,26 @@ def task_names(tasks: str) -> list[str]:
 
 
 @functools.cache
+def _indexed_tasks(include_path: str | None, include_defaults: bool):
+    """One index per process of a folder of task files (the check before the run and every evaluation share it)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path, include_defaults=include_defaults)
+
+
 def task_manager(tasks: str, include_path: str | None, flags: tuple[str, str] = ("--tasks", "--include_path")):
     """lm-eval's TaskManager, checked to know every task in `tasks`. Tasks found under `include_path` need no
     index of lm-eval's ~15,000 built-in task files (7 s). `flags`: the two settings' names, for the errors."""
-    from lm_eval.tasks import TaskManager
-
     names, (tasks_flag, include_flag) = task_names(tasks), flags
     if not names:
         raise ConfigError(f"{tasks_flag} {tasks!r} names no task")
     if include_path is not None:
         if not Path(include_path).is_dir():
             raise ConfigError(f"{include_flag} {include_path}: no such directory")
-        local = TaskManager(include_path=include_path, include_defaults=False)
+        local = _indexed_tasks(include_path, include_defaults=False)
         if all(name in local.all_tasks for name in names):
             return local
-    manager = TaskManager(include_path=include_path)
+    manager = _indexed_tasks(include_path, include_defaults=True)
     for name in names:
         if name not in manager.all_tasks:
             close = difflib.get_close_matches(name, manager.all_tasks, n=3)
