@@ -18,7 +18,7 @@ from jax.experimental import topologies
 from jax.sharding import Mesh
 
 from configs.base import Config
-from errors import ConfigError
+from errors import ConfigError, first_line
 from planning.aot_report import AotReport, compile_line
 from planning.chips import CHIPS, Chip
 from planning.compile_store import CompiledProgram, compile_lowered
@@ -61,8 +61,7 @@ def topology_devices(topology: str):
         )
     except Exception as e:  # libtpu missing, or a name it does not know
         hint = ("" if importlib.util.find_spec("libtpu") else "; install the `tpu` extra (pip install -e '.[tpu]')")
-        reason = (str(e).splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"--topology {topology}: cannot describe this topology ({reason}){hint}") from None
+        raise ConfigError(f"--topology {topology}: cannot describe this topology ({first_line(e)}){hint}") from None
     return topo.devices
 
 

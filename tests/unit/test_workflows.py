@@ -101,7 +101,8 @@ def test_a_benchmark_that_cannot_load_stops_training_before_it_starts(tmp_path, 
     """A hub task with no network: one line at start-up, nothing written."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code, _, err = run_main(train_app.main, *fsdp_tp_run_args(tmp_path / "run", shakespeare, "--train.eval_tasks=lambada_openai"))
+    code, _, err = run_main(train_app.main, *fsdp_tp_run_args(tmp_path / "run", shakespeare,
+                                                          "--train.eval_tasks=lambada_openai"))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "train.eval_tasks: cannot load the tasks' documents" in err and "train.include_path" in err
     assert not (tmp_path / "run").exists()
