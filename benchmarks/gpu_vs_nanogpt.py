@@ -47,13 +47,15 @@ def ours(attention: str, batch: int, k: int, calls: int, profile: str | None = N
     import jax
     import numpy as np
 
-    from configs.base import Config, OptimConfig, TrainConfig
+    from configs.base import Config, TrainConfig
+    from optim.adamw import AdamWConfig
+    from optim.schedules import CosineSchedule
     from trainer.program.mesh import make_mesh
     from trainer.program.train_program import TrainProgram
 
     cfg = Config(model=model_config(attention), train=TrainConfig(batch_size=batch, seq_len=SEQ, steps_per_call=k,
                                                                   steps=100_000),
-                 optim=OptimConfig(lr=1e-4, warmup_steps=10, weight_decay=1e-2))
+                 optim=AdamWConfig(lr=1e-4, weight_decay=1e-2), schedule=CosineSchedule(warmup_steps=10))
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     program = TrainProgram.build(cfg, mesh)
     tokens = np.random.RandomState(0).randint(0, 50257, (k, batch, SEQ + 1)).astype(np.int32)

@@ -51,7 +51,7 @@ def measure(shape: str, async_calls: bool, calls: int) -> dict:
         try:
             code = train.main(["--run_dir", run_dir, *SHAPES[shape], f"--train.steps={calls * k}",
                                "--train.eval_every=0", f"--checkpoint.every={calls * k}", "--train.sample_tokens=0",
-                               "--log.wandb=disabled", "--log.progress=False", "--optim.warmup_steps=2",
+                               "--log.wandb=disabled", "--log.progress=False", "--schedule.warmup_steps=2",
                                f"--train.async_calls={async_calls}"])
         finally:
             TrainingLoop.finish = finish

@@ -7,7 +7,7 @@
 The sweep trains the same GPT-2 (depth, heads, tokens, batches and seed the same; only the width differs) at each
 width and learning rate, under the standard parametrization and μP, with AdamW (`optim.lr`) and with Muon
 (`optim.muon_lr`; AdamW keeps the embeddings, norms and biases at MUON_ADAMW_LR), with the trainer's optimizer
-(trainer/program/optimizer.py: make_optimizer), and records the validation loss after the last step. It writes
+(optim.unguarded), and records the validation loss after the last step. It writes
 `<out>/mup_transfer.json` (every run; a re-run skips the runs already there), `mup_transfer.md` (the table) and
 `mup_transfer.png` (validation loss vs learning rate, one line per width).
 
@@ -32,10 +32,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from configs.base import Config, DataConfig, OptimConfig, TrainConfig
+from configs.base import Config, DataConfig, TrainConfig
+from optim import OptimizerConfig, unguarded
+from optim.base import by_path
+from optim.schedules import CosineSchedule
 from gpt2 import GPT2Config
 from gpt2.model import GPT2, next_token_loss
-from trainer.program.optimizer import make_optimizer, optimizer_of
 
 VOCAB = 4096
 OPTIMIZERS = ("adamw", "muon")
@@ -62,9 +64,9 @@ class Proxy:
         model = GPT2Config(vocab_size=VOCAB, block_size=self.seq_len, n_layer=self.n_layer, n_head=self.n_head,
                            n_embd=width, parametrization=parametrization, mup_base_width=self.base_width)
         rates = dict(lr=lr) if optimizer == "adamw" else dict(lr=MUON_ADAMW_LR, muon_lr=lr)
-        optim = OptimConfig(name=optimizer, warmup_steps=self.warmup_steps, **rates)
+        optim = OptimizerConfig.variants[optimizer](**rates)
         train = TrainConfig(steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len, seed=self.seed)
-        return Config(model=model, optim=optim, train=train)
+        return Config(model=model, optim=optim, schedule=CosineSchedule(warmup_steps=self.warmup_steps), train=train)
 
 
 # ---- the corpus -------------------------------------------------------------------------------
@@ -97,14 +99,16 @@ def train_lanes(proxy: Proxy, optimizer: str, parametrization: str, width: int, 
                 train: np.ndarray, val: np.ndarray) -> list[dict]:
     """One run per learning rate, all in one program (vmapped over the rates: one compilation per width, not per
     run), each from the same init on the same batches `train` ([steps, B, T + 1]) with train.py's optimizer
-    (make_optimizer: clipping, warmup and cosine, μP's multipliers); each run's mean validation loss over `val`
+    (optim.unguarded: clipping, warmup and cosine, μP's multipliers); each run's mean validation loss over `val`
     ([n, B, T + 1]) after the last step, inf if it diverged."""
     cfg = proxy.config(optimizer, parametrization, width, 1.0)
     graphdef, params = nnx.split(GPT2(cfg.model, rngs=nnx.Rngs(proxy.seed)))
     # The swept rate enters the update linearly (optax.scale_by_learning_rate of a warmup-cosine schedule, linear
     # in its peak), so run r's update is lr_r × the update at rate 1: one optimizer serves every run.
-    tx = make_optimizer(cfg.optim, proxy.steps, cfg.model)
-    swept = optimizer_of(params) if optimizer == "muon" else jax.tree.map(lambda _: "adamw", params)
+    tx = unguarded(cfg.optim, cfg.schedule, proxy.steps, cfg.model.mup_width_mult)
+    # the swept group: Muon's matrices, or every parameter under AdamW
+    swept = jax.tree.map(lambda _: True, params) if optimizer == "adamw" else by_path(
+        params, lambda path, v: cfg.optim.group_of(path, v) == "lr/muon")
 
     def loss(p, batch):
         return next_token_loss(nnx.merge(graphdef, p), batch)
@@ -112,7 +116,7 @@ def train_lanes(proxy: Proxy, optimizer: str, parametrization: str, width: int, 
     def train_step(lr, p, opt_state, batch):
         value, grads = jax.value_and_grad(loss)(p, batch)
         updates, opt_state = tx.update(grads, opt_state, p)
-        updates = jax.tree.map(lambda u, group: u * lr if group == optimizer else u, updates, swept)
+        updates = jax.tree.map(lambda u, is_swept: u * lr if is_swept else u, updates, swept)
         return optax.apply_updates(p, updates), opt_state, value
 
     @jax.jit
@@ -260,8 +264,8 @@ def coordinate_check(parametrization: str, widths, *, tokens: np.ndarray, optimi
                          scan_layers=False, parametrization=parametrization, mup_base_width=base_width)
         graphdef, params = nnx.split(GPT2(cfg, rngs=nnx.Rngs(seed)))
         rates = dict(lr=lr) if optimizer == "adamw" else dict(lr=MUON_ADAMW_LR, muon_lr=lr)
-        tx = make_optimizer(OptimConfig(name=optimizer, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0,
-                                        grad_clip=0.0, **rates), steps, cfg)
+        tx = unguarded(OptimizerConfig.variants[optimizer](weight_decay=0.0, grad_clip=0.0, **rates),
+                       CosineSchedule(warmup_steps=0, min_lr_ratio=1.0), steps, cfg.mup_width_mult)
 
         @jax.jit
         def step(params, opt_state, batch):

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs.base import CheckpointConfig, Config, OptimConfig, TrainConfig
+from configs.base import CheckpointConfig, Config, TrainConfig
+from optim.schedules import CosineSchedule
 from data.loader import LoaderConfig, make_dataset
 from data.prepare import prepare_shakespeare
 from gpt2 import GPT2Config
@@ -63,7 +64,7 @@ def config_for(shape: str, k: int, **model_kw) -> Config:
     s = SHAPES[shape]
     model = GPT2Config(**{**s["model"], **model_kw})
     return Config(model=model, train=TrainConfig(batch_size=s["batch"], seq_len=s["seq"], steps_per_call=k,
-                                                 steps=10_000), optim=OptimConfig(warmup_steps=10))
+                                                 steps=10_000), schedule=CosineSchedule(warmup_steps=10))
 
 
 def ours(cfg: Config, repeats: int) -> dict:

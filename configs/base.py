@@ -1,6 +1,6 @@
 """The training application's configuration: one frozen dataclass per concern, composed into `Config`.
 
-Each field states its meaning and its bound once, in its `Field` (configs/fields.py checks them all); rules
+Each field states its meaning and its bound once, in its `Field` (fields.py checks them all); rules
 between fields are the class's `cross_check()`. Presets live beside this file (`configs/shakespeare_cpu.py`, ...);
 any field can be overridden on the command line: `python train.py --config gpt2_124m --model.n_layer=6`.
 """
@@ -10,10 +10,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Literal
 
-from configs.fields import Checked, Field
+from fields import Checked, Field
 from errors import ConfigError
 from gpt2.config import GPT2Config
 from gpt2.sharding import RULES
+from optim import GuardConfig, OptimizerConfig, ScheduleConfig
+from optim.adamw import AdamWConfig
+from optim.schedules import CosineSchedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,37 +30,6 @@ class DataConfig(Checked, section="data"):
     num_workers: Annotated[int, Field("Grain worker processes per host; 0 reads in the training process", ge=0)] = 0
     prefetch: Annotated[int, Field("batches read ahead", ge=0)] = 2
     seed: Annotated[int, Field("data order seed (independent of the model seed)", ge=0)] = 1234
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig(Checked, section="optim"):
-    """AdamW (or Muon on the hidden matrices) with linear warmup, cosine decay to a floor, and global-norm
-    clipping."""
-
-    lr: Annotated[float, Field("peak learning rate; with name=muon, the AdamW part's", gt=0)] = 6e-4
-    min_lr_ratio: Annotated[float, Field(
-        "the cosine floor as a fraction of lr (Chinchilla / nanoGPT use 0.1)", ge=0, le=1)] = 0.1
-    warmup_steps: Annotated[int, Field("linear warmup from 0, in steps", ge=0)] = 100
-    decay_steps: Annotated[int | None, Field("end of the cosine (default: train.steps)", ge=1)] = None
-    b1: Annotated[float, Field("Adam's first-moment decay", ge=0, lt=1)] = 0.9
-    b2: Annotated[float, Field(
-        "Adam's second-moment decay; 0.95 as in GPT-3 (Brown et al. 2020, appendix B)", ge=0, lt=1)] = 0.95
-    eps: Annotated[float, Field("Adam epsilon", gt=0)] = 1e-8
-    weight_decay: Annotated[float, Field(
-        "decoupled weight decay, applied to matrices and embeddings only (not biases or norms)", ge=0)] = 0.1
-    grad_clip: Annotated[float, Field("clip the global gradient norm to this; 0 disables", ge=0)] = 1.0
-    name: Annotated[Literal["adamw", "muon"], Field(
-        '"adamw" for every parameter, or "muon": Muon (optax.contrib\'s Newton–Schulz orthogonalized momentum;'
-        " Jordan et al., modded-nanogpt) on the attention and MLP matrices of every layer, AdamW (the fields"
-        " above) on the embeddings and tied head, norms and biases")] = "adamw"
-    muon_lr: Annotated[float, Field(
-        "with name=muon, the Muon part's peak rate, with the same warmup and cosine as lr", gt=0)] = 0.02
-    muon_momentum: Annotated[float, Field("Muon's Nesterov momentum (modded-nanogpt: 0.95)", ge=0, lt=1)] = 0.95
-    muon_weight_decay: Annotated[float, Field(
-        "decoupled weight decay of the Muon part, multiplied by its rate as in optax", ge=0)] = 0.0
-    muon_ns_steps: Annotated[int, Field("Newton–Schulz iterations (modded-nanogpt: 5)", ge=1)] = 5
-    muon_ns_coeffs: Annotated[tuple[float, float, float], Field(
-        "the Newton–Schulz quintic's (a, b, c) (modded-nanogpt's by default)")] = (3.4445, -4.7750, 2.0315)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +90,9 @@ class TrainConfig(Checked, section="train"):
         " data reading and host-to-device copy (metrics are logged one call late; evaluations, checkpoints, the"
         " stop step and preemption still wait for their call). False: wait after every call")] = True
     reschedule: Annotated[bool, Field(
-        "allow a resumed run to change the learning-rate schedule (train.steps without a fixed"
-        " optim.decay_steps, optim.lr, min_lr_ratio, warmup_steps, decay_steps): the rate then jumps to the new"
-        " schedule's value at the resumed step. Without it such a resume is refused")] = False
+        "allow a resumed run to change its learning rates: any optim.* or schedule.* field, or train.steps where"
+        " the schedule's length follows it (cosine without schedule.decay_steps, wsd). The rates then jump to the"
+        " new values at the resumed step. Without it such a resume is refused")] = False
     compile_cache: Annotated[str, Field(
         "JAX's persistent compilation cache, so that a restart loads its programs instead of compiling them"
         ' again: "auto" (<run_dir>/compile_cache, local or gs://, shared by every process of the job and safe to'
@@ -235,40 +207,6 @@ class StorageConfig(Checked, section="storage"):
 
 
 @dataclasses.dataclass(frozen=True)
-class GuardConfig(Checked, section="guard"):
-    """Numerical safety beyond the check that always runs (a non-finite train state is never saved).
-
-    The spike guard skips, inside the scanned train call, the update of a step whose loss or gradient norm is
-    an outlier: its residual against the quantity's moving level (the trend) lies more than `z_loss` /
-    `z_grad_norm` standard deviations above the residuals of the steps it accepted (llm.c's `-sl` / `-sg`
-    outlier skip, made robust to the falling trend of the loss; see trainer/program/spike_guard.py). A skipped step
-    leaves the parameters and optimizer state unchanged but still consumes its batch and its step number (the
-    optimizer's own count, and so the learning-rate schedule, moves with applied updates only). A step with a
-    non-finite loss or gradient norm, or whose update would make the state non-finite, is always skipped while
-    the guard is on. The running statistics are part of the checkpoint.
-    """
-
-    skip_spikes: Annotated[bool, Field("turn the spike guard on")] = False
-    z_loss: Annotated[float, Field("loss outlier threshold in standard deviations", gt=0)] = 6.0
-    z_grad_norm: Annotated[float, Field(
-        "gradient-norm (before clipping) outlier threshold in standard deviations", gt=0)] = 6.0
-    decay: Annotated[float, Field(
-        "decay of the residuals' moving mean and variance (0.99: about the last 100 accepted steps)", gt=0,
-        lt=1)] = 0.99
-    warmup: Annotated[int, Field(
-        "accepted steps before the thresholds apply (the statistics need a few residuals). As many skipped steps"
-        " in a row restart the statistics (a new level, not a spike) and this warm-up", ge=3)] = 100
-    rollback_after: Annotated[int | None, Field(
-        "after this many consecutive skipped steps, or at once when the train state is not finite, restore the"
-        " newest checkpoint and continue with the data guard.rollback_skip batches past the ones the abandoned"
-        " steps read (PaLM, Chowdhery et al. 2022, section 5.1). None: no rollback; a non-finite state then stops"
-        " the run", ge=1)] = None
-    rollback_skip: Annotated[int, Field(
-        "batches skipped after the abandoned steps' batches at a rollback", ge=0)] = 100
-    max_rollbacks: Annotated[int, Field("rollbacks one run may take; one more stops the run", ge=1)] = 3
-
-
-@dataclasses.dataclass(frozen=True)
 class Config(Checked):
     """Everything a training run needs."""
 
@@ -283,7 +221,8 @@ class Config(Checked):
         " directory holding checkpoints resumes from them, not from these weights")] = None
     model: GPT2Config = GPT2Config.tiny()
     data: DataConfig = DataConfig()
-    optim: OptimConfig = OptimConfig()
+    optim: OptimizerConfig = AdamWConfig()  # --optim.name picks the variant (optim/): adamw, muon
+    schedule: ScheduleConfig = CosineSchedule()  # --schedule.name (optim/schedules.py): cosine, wsd
     train: TrainConfig = TrainConfig()
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

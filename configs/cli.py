@@ -13,13 +13,14 @@ import difflib
 import io
 import re
 import sys
+import types as types_module
 import typing
 from typing import TypeVar
 
 import tyro
 
-from configs.fields import check_all, deferred_checks
 from errors import ConfigError, fail
+from fields import Choice, check_all, deferred_checks
 
 T = TypeVar("T")
 
@@ -38,11 +39,16 @@ def parse(cls: type[T], argv: list[str] | None, *, default: T | None = None, pre
     if presets:
         default, argv = _preset(cls, argv)
         description = f"{description or ''}\n{_presets_help()}"
-    argv = _bare_booleans(cls, argv)
+    try:
+        default = _chosen_variants(default, argv)
+    except ConfigError as e:
+        fail(str(e))
+    shape = default if default is not None else cls  # a chosen variant's fields are flags too
+    argv = _bare_booleans(shape, argv)
     kw = dict(default=default, args=argv, prog=prog, description=description, use_underscores=True)
     if "-h" in argv or "--help" in argv:
         return tyro.cli(cls, **kw)
-    unknown = _unknown_flags(cls, argv)
+    unknown = _unknown_flags(shape, argv) or _mistyped_value(shape, argv)
     if unknown:
         fail(unknown)
     stderr = io.StringIO()
@@ -69,6 +75,28 @@ def _preset(cls: type[T], argv: list[str]) -> tuple[T, list[str]]:
     preset = configs.load(name)
     with deferred_checks():  # a default to start from, with plan.py's --topology still to come: checked once parsed
         return cls(**{f.name: getattr(preset, f.name) for f in dataclasses.fields(preset)}), rest
+
+
+def _chosen_variants(default, argv: list[str]):
+    """`default` with each `--SECTION.name=NAME` of a registered choice (fields.Choice: `--optim.name=muon`,
+    `--schedule.name=wsd`) switched to that variant, so that its own fields parse as flags."""
+    for key, value in _flag_values(argv):
+        section, _, name = key.rpartition(".")
+        current = getattr(default, section, None) if default is not None and section else None
+        if name == "name" and isinstance(current, Choice) and value is not None and value != current.name:
+            default = dataclasses.replace(default, **{section: current.switch(value)})
+    return default
+
+
+def _flag_values(argv: list[str]):
+    """(dotted key with underscores, value or None) of each `--key=value` / `--key value` / `--key` in argv."""
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--"):
+            continue
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
+        yield key.replace("-", "_"), value
 
 
 def preset_name(argv: list[str]) -> tuple[str, list[str]]:
@@ -121,14 +149,32 @@ def _bare_booleans(cls: type, argv: list[str]) -> list[str]:
     return out
 
 
-def boolean_flags(cls: type, prefix: str = "") -> set[str]:
+def _fields(config) -> list[tuple[str, object]]:
+    """(name, type) of a config class's fields, or an instance's, whose nested sections are the types they hold (a
+    Choice section: its chosen variant, not the family's base)."""
+    hints = typing.get_type_hints(config if isinstance(config, type) else type(config), include_extras=True)
+    out = []
+    for f in dataclasses.fields(config):
+        typ = hints[f.name]
+        if not isinstance(config, type) and dataclasses.is_dataclass(getattr(config, f.name)):
+            typ = getattr(config, f.name)
+        out.append((f.name, typ))
+    return out
+
+
+def _plain(typ):
+    """A field's type without its Annotated documentation."""
+    return typing.get_args(typ)[0] if typing.get_origin(typ) is typing.Annotated else typ
+
+
+def boolean_flags(config, prefix: str = "") -> set[str]:
     """Dotted names of the boolean fields of nested dataclasses ("log.progress", "all", ...)."""
-    hints, out = typing.get_type_hints(cls), set()
-    for f in dataclasses.fields(cls):
-        if hints[f.name] is bool:
-            out.add(prefix + f.name)
-        elif dataclasses.is_dataclass(hints[f.name]):
-            out |= boolean_flags(hints[f.name], f"{prefix}{f.name}.")
+    out = set()
+    for name, typ in _fields(config):
+        if _plain(typ) is bool:
+            out.add(prefix + name)
+        elif dataclasses.is_dataclass(typ):
+            out |= boolean_flags(typ, f"{prefix}{name}.")
     return out
 
 
@@ -150,20 +196,20 @@ def _condense(text: str) -> str:
     return re.sub(r"^Error parsing (--\S+): ", r"\1: ", message)
 
 
-def flag_names(cls: type, prefix: str = "") -> dict[str, list[str]]:
+def flag_names(config, prefix: str = "") -> dict[str, list[str]]:
     """{section: [field names]} for nested dataclasses; section "" is the top level."""
     sections: dict[str, list[str]] = {prefix.rstrip("."): []}
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        sections[prefix.rstrip(".")].append(f.name)
-        if dataclasses.is_dataclass(hints[f.name]):
-            sections.update(flag_names(hints[f.name], f"{prefix}{f.name}."))
+    for name, typ in _fields(config):
+        sections[prefix.rstrip(".")].append(name)
+        if dataclasses.is_dataclass(typ):
+            sections.update(flag_names(typ, f"{prefix}{name}."))
     return sections
 
 
-def _unknown_flags(cls: type, argv: list[str]) -> str | None:
-    """A message for the first --flag that names no field, with the valid names of its section."""
-    sections = flag_names(cls)
+def _unknown_flags(config, argv: list[str]) -> str | None:
+    """A message for the first --flag that names no field, with the nearest flag of any section (`--lr`: did you
+    mean --optim.lr?) and the valid names of its own."""
+    sections = flag_names(config)
     for arg in argv:
         if not arg.startswith("--"):
             continue
@@ -175,12 +221,63 @@ def _unknown_flags(cls: type, argv: list[str]) -> str | None:
             continue
         if key in sections:  # a whole section given as one flag
             continue
+        variant = _variant_owning(config, section, name)
+        hint = _nearest_flag(sections, section, name)
+        hint = (f" (a field of --{section}.name={variant})" if variant else f" (did you mean {hint}?)" if hint
+                else "")
         valid = sections.get(section)
         if valid is None:
             choices = sorted(s for s in sections if s)
-            return f"unknown config section {section!r} in {arg!r}; sections are {choices}"
-        close = difflib.get_close_matches(name, valid, n=1)
-        hint = f" (did you mean {section + '.' if section else ''}{close[0]}?)" if close else ""
+            return f"unknown config section {section!r} in {arg!r}{hint}; sections are {choices}"
         where = f"{section}." if section else ""
         return f"unknown config key --{where}{name}{hint}; valid keys of {section or 'the top level'}: {valid}"
+    return None
+
+
+def _variant_owning(config, section: str, name: str) -> str | None:
+    """The variant of the registered choice at `section` (`--optim.name=muon`) whose field `name` is, if another's."""
+    node = config
+    for part in filter(None, section.split(".")):
+        node = getattr(node, part, None) if not isinstance(node, type) else None
+    if not isinstance(node, Choice):
+        return None
+    return next((v for v, cls in node.variants.items() if name in {f.name for f in dataclasses.fields(cls)}), None)
+
+
+def _nearest_flag(sections: dict[str, list[str]], section: str, name: str) -> str | None:
+    """The flag a mistyped `--section.name` most likely meant: a close name in its own section, else the same name
+    in another section (`--steps` -> --train.steps, `--optim.warmup_steps` -> --schedule.warmup_steps), else a close
+    name anywhere."""
+    dotted = lambda s, n: f"--{s + '.' if s else ''}{n}"  # noqa: E731
+    close = difflib.get_close_matches(name, sections.get(section, []), n=1)
+    if close:
+        return dotted(section, close[0])
+    exact = [s for s, names in sections.items() if name in names and s != section]
+    if exact:
+        return dotted(exact[0], name)
+    everywhere = {dotted(s, n): n for s, names in sections.items() for n in names}
+    close = difflib.get_close_matches(name, list(everywhere.values()), n=1)
+    return next((flag for flag, n in everywhere.items() if close and n == close[0]), None)
+
+
+def _mistyped_value(config, argv: list[str]) -> str | None:
+    """One line for the first `--flag=value` whose value is not of the field's type (an integer, a number), before
+    tyro's own message (Python's "invalid literal for int() with base 10")."""
+    types = {}
+    for section, names in flag_names(config).items():
+        node = config
+        for part in filter(None, section.split(".")):
+            node = dict(_fields(node))[part]
+        types.update({f"{section + '.' if section else ''}{n}": _plain(t) for n, t in _fields(node)})
+    for key, value in _flag_values(argv):
+        typ = types.get(key)
+        optional = typing.get_origin(typ) in (typing.Union, types_module.UnionType)
+        kinds = set(typing.get_args(typ)) - {type(None)} if optional else {typ}
+        if value is None or len(kinds) != 1 or not kinds <= {int, float} or (optional and value == "None"):
+            continue
+        (number,) = kinds
+        try:
+            number(value)
+        except ValueError:
+            return f"--{key} takes {'an integer' if number is int else 'a number'}, got {value!r}"
     return None

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Annotated
 
 from configs.base import MeshConfig
-from configs.fields import Checked, Field
+from fields import Checked, Field
 from errors import ConfigError
 
 

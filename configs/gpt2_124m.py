@@ -12,7 +12,10 @@ for remat="dots" and 437.1 ms for "full". Published runs measured 0.77-1.15x suc
 page).
 """
 
-from configs.base import CheckpointConfig, Config, DataConfig, GuardConfig, MeshConfig, OptimConfig, TrainConfig
+from configs.base import CheckpointConfig, Config, DataConfig, MeshConfig, TrainConfig
+from optim import GuardConfig
+from optim.adamw import AdamWConfig
+from optim.schedules import CosineSchedule
 from gpt2.config import GPT2Config
 
 CONFIG = Config(
@@ -22,7 +25,8 @@ CONFIG = Config(
     model=GPT2Config.gpt2(pad_vocab_to=128, dtype="bfloat16", scan_layers=False, remat="none",
                           document_mask=True, document_positions=True),
     data=DataConfig(dataset="/data/openwebtext", num_workers=4, prefetch=4),
-    optim=OptimConfig(lr=6e-4, warmup_steps=700, min_lr_ratio=0.1, weight_decay=0.1),
+    optim=AdamWConfig(lr=6e-4, weight_decay=0.1),
+    schedule=CosineSchedule(warmup_steps=700, min_lr_ratio=0.1),
     train=TrainConfig(
         steps=19_000, batch_size=512, seq_len=1024, grad_accum=8, steps_per_call=10,
         eval_every=500, eval_batches=40, sample_prompt="The meaning of life is",

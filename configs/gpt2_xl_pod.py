@@ -21,7 +21,8 @@ CONFIG = extend(
     run_dir="runs/gpt2_xl",  # on a pod: storage every host sees: gs://bucket/path (docs/pods.md) or an NFS mount
     model=dict(n_layer=48, n_head=25, n_embd=1600, remat="dots", scan_layers=False),
     data=dict(dataset="/data/fineweb", num_workers=8),
-    optim=dict(lr=2e-4, warmup_steps=1000),
+    optim=dict(lr=2e-4),
+    schedule=dict(warmup_steps=1000),
     train=dict(steps=30_000, batch_size=1024, grad_accum=1, steps_per_call=1, eval_every=1000, eval_batches=20),
     mesh=dict(data=4),  # fsdp over the rest, as gpt2_medium
     checkpoint=dict(every=500, keep=2),

@@ -8,7 +8,7 @@ from typing import Annotated
 import tyro
 
 from configs.base import Config
-from configs.fields import Field
+from fields import Field
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,9 @@ A few minutes on 2 cores (docs/training.md, "The default run, measured"). The fu
 that checkpoints are ordinary GPT-2 checkpoints; it makes the embedding most of the 7.3M parameters.
 """
 
-from configs.base import CheckpointConfig, Config, DataConfig, OptimConfig, TrainConfig
+from configs.base import CheckpointConfig, Config, DataConfig, TrainConfig
+from optim.adamw import AdamWConfig
+from optim.schedules import CosineSchedule
 from gpt2.config import GPT2Config
 
 CONFIG = Config(
@@ -13,7 +15,8 @@ CONFIG = Config(
     # would change almost nothing here (docs/training.md "Document masking")
     model=GPT2Config(n_layer=4, n_head=4, n_embd=128, block_size=256, scan_layers=True, document_mask=False),
     data=DataConfig(dataset="shakespeare"),
-    optim=OptimConfig(lr=2e-3, warmup_steps=50, weight_decay=0.1, min_lr_ratio=0.1),
+    optim=AdamWConfig(lr=2e-3, weight_decay=0.1),
+    schedule=CosineSchedule(warmup_steps=50, min_lr_ratio=0.1),
     train=TrainConfig(
         steps=600, batch_size=8, seq_len=128, steps_per_call=10,
         eval_every=100, eval_batches=8, sample_tokens=120,

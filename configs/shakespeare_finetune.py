@@ -10,7 +10,9 @@ warmup, no decay), ~32K tokens per step, evaluation every 5 steps. Sized for one
 tokens as 4 micro-batches of 8); on the 2-core CPU a step of 124M takes minutes.
 """
 
-from configs.base import CheckpointConfig, Config, DataConfig, OptimConfig, TrainConfig
+from configs.base import CheckpointConfig, Config, DataConfig, TrainConfig
+from optim.adamw import AdamWConfig
+from optim.schedules import CosineSchedule
 from gpt2.config import GPT2Config
 
 CONFIG = Config(
@@ -18,7 +20,8 @@ CONFIG = Config(
     init_from="hub:openai-community/gpt2",
     model=GPT2Config.gpt2(scan_layers=True),  # replaced by the checkpoint's architecture
     data=DataConfig(dataset="shakespeare"),
-    optim=OptimConfig(lr=3e-5, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.1),
+    optim=AdamWConfig(lr=3e-5, weight_decay=0.1),
+    schedule=CosineSchedule(warmup_steps=0, min_lr_ratio=1.0),  # constant
     train=TrainConfig(
         steps=20, batch_size=32, seq_len=1024, grad_accum=4, steps_per_call=5,
         eval_every=5, eval_batches=4, sample_prompt="ROMEO:", sample_tokens=100,

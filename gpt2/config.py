@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 import jax
 import jax.numpy as jnp
 
-from configs.fields import Checked, Field  # the one check of every config's bounds (no JAX)
+from fields import Checked, Field  # the one check of every config's bounds (no JAX)
 from errors import ConfigError  # the application's one ConfigError (errors.py imports nothing)
 
 GPT2_VOCAB_SIZE = 50257  # r50k_base BPE ranks + <|endoftext|>
@@ -98,7 +98,7 @@ class GPT2Config(Checked, section="model"):
     # ---- μP (standard: m = 1, every multiplier 1 and the scale 1/√K) -------------------------------------
     # As the `mup` package assigns them (tests/unit/test_mup.py checks against it, parameter by parameter), in the
     # MuReadout form of Tensor Programs V's Table 8. A hidden matrix (both dimensions grow with the width: c_attn,
-    # c_proj, c_fc) is initialized with std × 1/√m and learns at 1/m of Adam's rate (trainer/program/optimizer.py);
+    # c_proj, c_fc: gpt2/layers.py `hidden_matrix`) is initialized with std × 1/√m and learns at 1/m of Adam's rate (optim/adamw.py);
     # wte, wpe, biases and norms keep their init and rate. The tied head: wte is also the readout, as in mup's
     # MuSharedReadout, whose weight keeps the embedding's init and rate while its input is multiplied by 1/m.
 
@@ -106,6 +106,11 @@ class GPT2Config(Checked, section="model"):
     def width_mult(self) -> float:
         """μP's width multiplier m = n_embd / mup_base_width (1 under the standard parametrization)."""
         return self.n_embd / self.mup_base_width if self.parametrization == "mup" else 1.0
+
+    @property
+    def mup_width_mult(self) -> float | None:
+        """m under μP, None under the standard parametrization: what the optimizer's per-parameter rates take."""
+        return self.width_mult if self.parametrization == "mup" else None
 
     def hidden_init_std(self, std: float) -> float:
         """The init std of a hidden matrix whose standard std is `std`: variance ∝ 1/fan_in under μP."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import socket
+import urllib.parse
 from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
-from huggingface_hub import snapshot_download
+from huggingface_hub import constants, snapshot_download
 from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -156,6 +158,7 @@ def hf_directory(path_or_name) -> Path:
     `gpt2/` package in this repository) is never mistaken for one, nor the other way round."""
     text = str(path_or_name)
     if text.startswith(HUB):
+        hub_offline()  # no network: the local cache at once (a model not in it fails at once)
         try:
             return Path(snapshot_download(text[len(HUB):], allow_patterns=["config.json", "*.safetensors"]))
         except Exception as e:  # noqa: BLE001 - offline, unknown repo, ...
@@ -167,6 +170,21 @@ def hf_directory(path_or_name) -> Path:
         raise HFCheckpointError(f"{path}: {what}; give a Hugging Face checkpoint directory, or {HUB}{text} for the"
                                 " hub model of that name")
     return path
+
+
+def hub_offline(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub library is offline in this process: as set (HF_HUB_OFFLINE=1), or made so now
+    when the hub does not take a connection within `timeout` seconds. With no network it would retry every file for
+    ~25 s before failing; offline, what the local cache holds loads and the rest fails at once."""
+    if constants.HF_HUB_OFFLINE:
+        return True
+    endpoint = urllib.parse.urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
+        return False
+    except OSError:  # no route, no name resolution, or no answer
+        constants.HF_HUB_OFFLINE = True
+        return True
 
 
 class SafetensorsFiles:

@@ -24,13 +24,31 @@ from gpt2.splash import splash_attention, target_platform
 KVCache = tuple[jax.Array, jax.Array]
 
 
-def param_meta(*logical_axes: str | None) -> dict:
-    """Metadata that names a parameter's logical axes.
+def param_meta(*logical_axes: str | None, **facts) -> dict:
+    """Metadata that names a parameter's logical axes (and any other `facts` about it, e.g. `matrix`).
 
     `eager_sharding=False`: NNX would otherwise try to shard at birth with the *logical* names; we resolve
     them through our rules table in `create_sharded_model` instead (the documented jit + constraint pattern).
     """
-    return {"out_sharding": logical_axes, "eager_sharding": False}
+    return {"out_sharding": logical_axes, "eager_sharding": False, **facts}
+
+
+# Axes as (reduction axes, output axes), counted from the end: how a weight reads as a matrix.
+MatrixAxes = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def hidden_matrix(config: GPT2Config, std: float, matrix: MatrixAxes, *logical_axes: str) -> dict:
+    """A hidden matrix's kernel_init and kernel_metadata: the one declaration of the weights whose dimensions both
+    grow with the width (c_attn, both c_proj, c_fc). Three features read it: the init (GPT-2's `std`, × 1/√m under
+    μP: variance ∝ 1/fan_in), μP's Adam rate × 1/m (optim/adamw.py) and Muon's orthogonalized update
+    (optim/muon.py), which sees the weight as the `matrix` axes' reduction × output matrix (the others batch it)."""
+    return dict(kernel_init=normal(config.hidden_init_std(std)),
+                kernel_metadata=param_meta(*logical_axes, matrix=matrix))
+
+
+def matrix_axes(variable: nnx.Variable) -> MatrixAxes | None:
+    """A hidden matrix's (reduction, output) axes as `hidden_matrix` declared them; None for any other parameter."""
+    return variable.get_metadata().get("matrix")
 
 
 def normal(std: float) -> nnx.Initializer:
@@ -69,17 +87,17 @@ class CausalSelfAttention(nnx.Module):
     def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, rules: ShardingRules | None = None):
         D, H, K = config.n_embd, config.n_head, config.head_dim
         dtypes = dict(dtype=config.compute_dtype, param_dtype=config.parameter_dtype)
-        # [D] -> [(q,k,v), H, K]; a hidden matrix: GPT-2's std 0.02, × 1/√m under μP
+        # [D] -> [(q,k,v), H, K]: as a matrix D × H·K for each of q, k and v (the qkv axis batches them)
         self.c_attn = nnx.LinearGeneral(
-            D, (3, H, K), use_bias=config.bias, kernel_init=normal(config.hidden_init_std(0.02)),
-            kernel_metadata=param_meta("embed", "qkv", "heads", "head_dim"),
+            D, (3, H, K), use_bias=config.bias,
+            **hidden_matrix(config, 0.02, ((-4,), (-2, -1)), "embed", "qkv", "heads", "head_dim"),
             bias_metadata=param_meta("qkv", "heads", "head_dim"), rngs=rngs, **dtypes,
         )
         # [H, K] -> [D]; a residual projection: GPT-2 scales its init by 1/sqrt(2·n_layer)
         self.c_proj = nnx.LinearGeneral(
             (H, K), D, axis=(-2, -1), use_bias=config.bias,
-            kernel_init=normal(config.hidden_init_std(0.02 / math.sqrt(2 * config.n_layer))),
-            kernel_metadata=param_meta("heads", "head_dim", "embed"),
+            **hidden_matrix(config, 0.02 / math.sqrt(2 * config.n_layer), ((-3, -2), (-1,)),
+                            "heads", "head_dim", "embed"),
             bias_metadata=param_meta("embed"), rngs=rngs, **dtypes,
         )
         self.resid_dropout = nnx.Dropout(config.dropout)
@@ -169,16 +187,14 @@ class MLP(nnx.Module):
     def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
         D, F = config.n_embd, 4 * config.n_embd
         dtypes = dict(dtype=config.compute_dtype, param_dtype=config.parameter_dtype)
-        residual_std = config.hidden_init_std(0.02 / math.sqrt(2 * config.n_layer))  # as attn.c_proj's
         self.c_fc = nnx.Linear(
-            D, F, use_bias=config.bias, kernel_init=normal(config.hidden_init_std(0.02)),
-            kernel_metadata=param_meta("embed", "mlp"), bias_metadata=param_meta("mlp"),
-            rngs=rngs, **dtypes,
+            D, F, use_bias=config.bias, **hidden_matrix(config, 0.02, ((-2,), (-1,)), "embed", "mlp"),
+            bias_metadata=param_meta("mlp"), rngs=rngs, **dtypes,
         )
+        residual_std = 0.02 / math.sqrt(2 * config.n_layer)  # as attn.c_proj's
         self.c_proj = nnx.Linear(
-            F, D, use_bias=config.bias, kernel_init=normal(residual_std),
-            kernel_metadata=param_meta("mlp", "embed"), bias_metadata=param_meta("embed"),
-            rngs=rngs, **dtypes,
+            F, D, use_bias=config.bias, **hidden_matrix(config, residual_std, ((-2,), (-1,)), "mlp", "embed"),
+            bias_metadata=param_meta("embed"), rngs=rngs, **dtypes,
         )
         self.dropout = nnx.Dropout(config.dropout)
 

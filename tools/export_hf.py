@@ -21,7 +21,7 @@ import jax
 
 from configs.base import CheckpointConfig
 from configs.cli import parse
-from configs.fields import Checked, Field
+from fields import Checked, Field
 from data.tokenizer import VOCAB_SIZE, save_hf_tokenizer
 from errors import CheckpointError, ConfigError, one_line_errors
 from gpt2.hf import require_standard, to_hf

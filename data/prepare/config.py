@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Literal
 
-from configs.fields import Checked, Field
+from fields import Checked, Field
 from errors import ConfigError
 
 MIN_SHARD_TOKENS = 1 << 16

@@ -122,14 +122,14 @@ def test_a_finished_run_rerun_changes_nothing_and_extending_it_is_recorded(k4_ru
 
 
 def test_the_hint_to_extend_a_finished_run_works_as_printed(shakespeare, tmp_path):
-    """With optim.decay_steps unset the cosine ends at train.steps: the hint fixes it there, and the extension
+    """With schedule.decay_steps unset the cosine ends at train.steps: the hint fixes it there, and the extension
     trains on at the final learning rate."""
     run = ["--run_dir", str(tmp_path), f"--data.cache_dir={shakespeare}",
-           *[a for a in SMALL if not a.startswith("--optim.decay_steps")], "--train.eval_every=0"]
+           *[a for a in SMALL if not a.startswith("--schedule.decay_steps")], "--train.eval_every=0"]
     assert run_main(train_app.main, *run, "--train.steps=4")[0] == 0
     code, out, err = run_main(train_app.main, *run, "--train.steps=4")
     hint = out.strip().split("To continue it: ", 1)[1].split(" (")[0]
-    assert code == 0 and hint == "--train.steps=MORE --optim.decay_steps=4", out
+    assert code == 0 and hint == "--train.steps=MORE --schedule.decay_steps=4", out
     code, out, err = run_main(train_app.main, *run, *hint.replace("MORE", "6").split())
     assert code == 0, err[-2000:]
     rates = [r["lr"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
@@ -344,8 +344,8 @@ def test_refusals_on_resume_name_the_fields(k4_run, shakespeare, tmp_path):
     other = damaged_copy(shakespeare, tmp_path, truncate_train_bin)
     edit_meta(other, train_tokens=500_000)
     assert "checkpoint was trained on another corpus" in refused(f"--data.dataset={other}")
-    message = refused("--optim.decay_steps=2000")
-    assert "resuming would change the learning-rate schedule (optim.decay_steps" in message
+    message = refused("--schedule.decay_steps=2000")
+    assert "resuming would change the learning rates (schedule.decay_steps: 1000 -> 2000)" in message
     assert "1000 -> 2000" in message and "--train.reschedule=True" in message
     assert ("(optim.lr: 0.002 -> 0.001); keep the old values, or pass --train.reschedule=True"
             in refused("--optim.lr=1e-3"))

@@ -31,7 +31,7 @@ from trainer.telemetry import goodput
 
 
 TINY = [*SMALL, "--train.steps=30", "--train.steps_per_call=5", "--checkpoint.every=5", "--optim.grad_clip=0",
-        "--optim.warmup_steps=0"]
+        "--schedule.warmup_steps=0"]
 
 
 def train(run_dir, shakespeare, *extra):

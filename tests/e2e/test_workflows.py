@@ -224,6 +224,32 @@ def test_eval_tasks_records_results_in_eval_json_and_the_runs_wandb(run, tasks_d
     assert figures["eval/tiny_rolling/word_perplexity"] == record["lm_eval"]["tiny_rolling"]["word_perplexity"]
 
 
+def test_eval_tasks_on_hub_weights_resolved_offline_from_the_local_cache(exported, tasks_dir, hf_backend, tmp_path,
+                                                                       monkeypatch):
+    """`eval.py --hf hub:NAME --tasks ... --out R` (no corpus: the tasks bring their documents) with the hub offline
+    (HF_HUB_OFFLINE, HF_HUB_CACHE): the name resolves to the local cache's snapshot, and the accuracy on the first 4
+    documents is lm-eval's `hf` backend's on the same weights."""
+    from huggingface_hub import constants
+
+    cache, revision = tmp_path / "hub", "0" * 40  # the cache's layout: huggingface_hub's file_download.py
+    snapshot = cache / "models--local--tiny-gpt2" / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for f in [exported / "config.json", *exported.glob("*.safetensors")]:
+        shutil.copy(f, snapshot)
+    (cache / "models--local--tiny-gpt2" / "refs").mkdir()
+    (cache / "models--local--tiny-gpt2" / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    out = tmp_path / "results.json"
+    code, stdout, err = run_main(eval_app.main, "--hf", "hub:local/tiny-gpt2", "--tasks", "tiny_mc", "--include_path",
+                                 str(tasks_dir), "--limit", "4", "--out", str(out))
+    assert code == 0, err[-3000:]
+    (record,) = json.loads(out.read_text())["results"]
+    reference = np.mean([s["acc"] for s in hf_backend["samples"]["tiny_mc"] if s["doc_id"] < 4])
+    assert record["model"] == "hub:local/tiny-gpt2" and record["lm_eval"]["tiny_mc"]["acc"] == reference
+    assert f"results: {out}" in stdout
+
+
 def test_benchmarks_during_training_are_logged_and_match_the_hf_backend(tasks_dir, hf_backend, shakespeare, tmp_path):
     """train.eval_tasks at the step-2 evaluation of the same 2-step run as `run` (so the same weights as the
     exported checkpoint): its accuracy on 4 documents equals lm-eval's `hf` backend's, in metrics.jsonl (as

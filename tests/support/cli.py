@@ -21,7 +21,7 @@ SMALL = [
     "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=64", "--model.pad_vocab_to=128",
     "--train.seq_len=32", "--train.batch_size=8", "--train.steps_per_call=2",
     "--train.eval_batches=2", "--train.sample_tokens=0", "--log.wandb=disabled", "--log.progress=False",
-    "--optim.warmup_steps=2", "--optim.decay_steps=1000",
+    "--schedule.warmup_steps=2", "--schedule.decay_steps=1000",
 ]
 
 

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from data.prepare import main
+from data.prepare.cli import main
 
 
 def damaged_copy(shakespeare, tmp_path, damage):

@@ -3,7 +3,8 @@
 import jax
 import numpy as np
 
-from configs.base import Config, OptimConfig, TrainConfig
+from configs.base import Config, TrainConfig
+from optim.schedules import CosineSchedule
 from gpt2 import GPT2Config
 from trainer.program.mesh import make_mesh
 from trainer.program.train_program import TrainProgram
@@ -11,7 +12,7 @@ from trainer.program.train_program import TrainProgram
 # The unit tier's train calls: one config and one set of batches, so that tests of different properties that need
 # the same program (the session's compilation cache is keyed by it) compile it once between them.
 NANO_RUN = Config(model=GPT2Config.nano(), train=TrainConfig(batch_size=8, seq_len=16, steps=10),
-                  optim=OptimConfig(warmup_steps=2))
+                  schedule=CosineSchedule(warmup_steps=2))
 BATCHES = np.random.RandomState(0).randint(0, 96, (4, 8, 17)).astype(np.int32)  # [K, B, T+1]
 
 

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from support.cli import ROOT
-from configs.base import CheckpointConfig, Config, GuardConfig, OptimConfig, TrainConfig
+from configs.base import CheckpointConfig, Config, TrainConfig
+from optim import GuardConfig
+from optim.schedules import CosineSchedule
 from gpt2 import GPT2Config
 from trainer.program.mesh import make_mesh
 from trainer.program.train_program import TrainProgram
@@ -22,7 +24,7 @@ BATCHES = np.random.RandomState(0).randint(0, 96, (4, 8, 17)).astype(np.int32)  
 
 def program(skip_spikes: bool) -> TrainProgram:
     cfg = Config(model=GPT2Config.nano(n_layer=1, n_embd=16), train=TrainConfig(batch_size=8, seq_len=16, steps=10,
-                 steps_per_call=4), optim=OptimConfig(warmup_steps=2), guard=GuardConfig(skip_spikes=skip_spikes,
+                 steps_per_call=4), schedule=CosineSchedule(warmup_steps=2), guard=GuardConfig(skip_spikes=skip_spikes,
                                                                                           warmup=3))
     return TrainProgram.build(cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
 

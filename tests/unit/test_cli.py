@@ -26,8 +26,16 @@ def train_error(tmp_path, shakespeare, *args):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--model.n_layr=2"], "unknown config key --model.n_layr (did you mean model.n_layer?); valid keys"),
-        (["--train.batch_size=many"], "--train.batch_size"),
+        (["--model.n_layr=2"], "unknown config key --model.n_layr (did you mean --model.n_layer?); valid keys"),
+        (["--train.batch_size=many"], "--train.batch_size takes an integer, got 'many'"),
+        (["--train.steps", "abc"], "--train.steps takes an integer, got 'abc'"),
+        (["--optim.lr=fast"], "--optim.lr takes a number, got 'fast'"),
+        (["--lr=1e-3"], "unknown config key --lr (did you mean --optim.lr?)"),  # across sections
+        (["--steps=5"], "unknown config key --steps (did you mean --train.steps?)"),
+        (["--optim.warmup_steps=5"], "unknown config key --optim.warmup_steps (did you mean --schedule.warmup_steps?)"),
+        (["--optim.muon_lr=0.1"], "unknown config key --optim.muon_lr (a field of --optim.name=muon)"),
+        (["--optim.name=lion"], "--optim.name must be one of adamw, muon, got 'lion'"),
+        (["--schedule.name=wsd"], "unknown config key --schedule.decay_steps (a field of --schedule.name=cosine)"),
         (["--model.dtype=float8"], "float8"),
         (["--model.n_head=3"], "model.n_head=3 must divide model.n_embd=32"),
         (["--train.steps=0"], "train.steps must be an integer >= 1, got 0"),
@@ -69,7 +77,7 @@ def test_train_config_errors_are_one_line_before_any_work(tmp_path, shakespeare,
 def test_a_validation_split_shorter_than_the_window_is_refused_naming_the_flags(tmp_path, shakespeare, capsys):
     """nanoGPT's workflow: one input.txt prepared at the default --val_fraction (a warning then, not a refusal);
     training refuses a window the split cannot fill, and trains with one it can."""
-    from data.prepare import main as prepare_main
+    from data.prepare.cli import main as prepare_main
 
     text = tmp_path / "input.txt"
     text.write_text("ROMEO: But, soft! what light through yonder window breaks?\n" * 400)
@@ -130,7 +138,7 @@ def test_eval_arguments_are_checked_before_any_work(tmp_path, args, message):
 
 
 def test_a_bad_boolean_value_names_its_flag_in_every_program():
-    from data import prepare
+    from data.prepare import cli as prepare
 
     assert eval_error("--all=maybe") == ("error: --all takes true or false (1/0, yes/no), got 'maybe'; or the switches"
                                          " --all / --no_all")
@@ -163,7 +171,7 @@ def test_help_documents_every_flag(program, monkeypatch):
     import re
 
     import plan
-    from data import prepare
+    from data.prepare import cli as prepare
 
     monkeypatch.setenv("COLUMNS", "80")  # one panel wide: each flag's line, then its description's
     main = {"prepare": prepare.main, "plan": plan.main}.get(program, program)

@@ -15,11 +15,15 @@ import pytest
 from flax import nnx
 
 import configs
-from configs.base import Config, OptimConfig, TrainConfig
+from configs.base import Config, TrainConfig
+from optim import unguarded
+from optim.adamw import AdamWConfig, mup_lr_multipliers
+from optim.base import is_hidden_matrix
+from optim.muon import MuonConfig
+from optim.schedules import CosineSchedule
 from errors import ConfigError
 from gpt2.config import MUP_ATTENTION_MULT, GPT2Config
 from gpt2.model import GPT2
-from trainer.program.optimizer import MUON_MATRICES, make_optimizer, mup_lr_multipliers
 from trainer.storage.checkpoints import CheckpointMismatch, check_compatible
 
 torch = pytest.importorskip("torch", reason="the reference implementations are PyTorch's (the `hf` extra)")
@@ -29,6 +33,7 @@ mup = pytest.importorskip("mup", reason="the reference μP (`mup` on PyPI) is a 
 BASE = GPT2Config(vocab_size=64, block_size=16, n_layer=2, n_head=1, n_embd=64, scan_layers=False,
                   parametrization="mup", mup_base_width=64)
 WIDE = dataclasses.replace(BASE, n_embd=256, n_head=2)
+CONSTANT = CosineSchedule(warmup_steps=0, min_lr_ratio=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +128,7 @@ def test_init_stds_rate_multipliers_and_readout_equal_the_mup_packages(wide):
     ours = flat(nnx.state(wide, nnx.Param))
     theirs = torch_params(ref := reference(WIDE))
     assert {torch_name(p) for p in ours} == set(theirs)
-    multipliers = flat(mup_lr_multipliers(WIDE, nnx.state(wide, nnx.Param)))
+    multipliers = flat(mup_lr_multipliers(nnx.state(wide, nnx.Param), WIDE.width_mult))
     groups = mup.MuAdamW(theirs.values(), lr=1.0).param_groups  # lr 1: a group's lr is the multiplier
     rate = {id(p): g["lr"] for g in groups for p in g["params"]}
     for path, value in ours.items():
@@ -136,7 +141,7 @@ def test_init_stds_rate_multipliers_and_readout_equal_the_mup_packages(wide):
         else:  # independent draws: ≥ 4,096 samples each, so 6 % is > 4 standard errors; μP's changes are ≥ 2×
             assert value.std() == pytest.approx(expected, rel=0.06), path
     # the hidden matrices, as mup sees them: both dimensions grow with width (matrix-like), rate 1/m
-    hidden = {path for path in ours if path[-3:] in MUON_MATRICES}
+    hidden = {path for path, v in nnx.to_flat_state(nnx.state(wide, nnx.Param)) if is_hidden_matrix(v)}
     assert {torch_name(p) for p in hidden} == {n for n, p in theirs.items() if p.infshape.ninf() == 2}
     assert {float(multipliers[p]) for p in hidden} == {0.25}
     assert {float(multipliers[p]) for p in ours if p not in hidden} == {1.0}
@@ -159,12 +164,12 @@ def test_forward_pass_equals_the_references_with_our_weights(wide):
 
 
 def test_two_adamw_steps_equal_mup_muadamw_parameter_by_parameter(wide):
-    """The same weights and gradients through make_optimizer (μP) and mup.MuAdamW (decay on matrices and
+    """The same weights and gradients through our AdamW (μP) and mup.MuAdamW (decay on matrices and
     embeddings only, as ours): the parameters after two steps agree, so each parameter's rate and decoupled
     weight decay are MuAdamW's (rate / m, decay × m)."""
-    cfg = OptimConfig(lr=3e-3, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.1, grad_clip=0.0)
+    cfg = AdamWConfig(lr=3e-3, weight_decay=0.1, grad_clip=0.0)
     params = nnx.state(wide, nnx.Param)
-    tx = make_optimizer(cfg, 10, WIDE)
+    tx = unguarded(cfg, CONSTANT, 10, WIDE.mup_width_mult)
     opt_state, update = tx.init(params), jax.jit(tx.update)
     ref = reference(WIDE)
     theirs = torch_params(ref)
@@ -195,14 +200,15 @@ def test_muon_scales_each_hidden_matrix_as_keller_jordans_muon(wide):
     on the same gradient laid out as torch's [out, in] (q, k and v as three matrices): its
     max(1, fan_out/fan_in)^½ is 2 for c_fc (D -> 4D) and 1 for the others, and μP adds no 1/m to it."""
     muon_reference = pytest.importorskip("muon", reason="Keller Jordan's Muon (`muon-optimizer`) is a dev extra")
-    cfg = OptimConfig(name="muon", muon_lr=0.02, warmup_steps=0, min_lr_ratio=1.0, grad_clip=0.0)
+    cfg = MuonConfig(muon_lr=0.02, grad_clip=0.0)
     params = nnx.state(wide, nnx.Param)
     grads = random_like(params, 0)
-    tx = make_optimizer(cfg, 10, WIDE)
+    tx = unguarded(cfg, CONSTANT, 10, WIDE.mup_width_mult)
+    hidden = {path for path, v in nnx.to_flat_state(params) if is_hidden_matrix(v)}
     updates = flat(jax.jit(tx.update)(grads, tx.init(params), params)[0])
     D = WIDE.n_embd
     for path, g in flat(grads).items():
-        if path[-3:] not in MUON_MATRICES:
+        if path not in hidden:
             continue
         g = to_torch_layout(path, g)  # [out, in]; c_attn: q, k, v stacked as [3, D, D]
         g = g.reshape(3, D, D) if path[-2] == "c_attn" else g
@@ -224,10 +230,10 @@ def test_at_the_base_width_mup_is_the_standard_parametrization():
     jax.tree.map(np.testing.assert_array_equal, pa, pb)
     idx = jnp.arange(16)[None] % BASE.vocab_size
     np.testing.assert_allclose(a(idx), b(idx), rtol=1e-6, atol=1e-6)
-    cfg = OptimConfig(warmup_steps=0, grad_clip=0.0)
+    cfg = AdamWConfig(grad_clip=0.0)
     grads = jax.tree.map(jnp.ones_like, pa)
-    ua, ub = (jax.jit(make_optimizer(cfg, 10, c).update)(grads, make_optimizer(cfg, 10, c).init(pa), pa)[0]
-              for c in (BASE, standard))
+    txs = (unguarded(cfg, CosineSchedule(warmup_steps=0), 10, m) for m in (BASE.mup_width_mult, None))  # μP, standard
+    ua, ub = (jax.jit(tx.update)(grads, tx.init(pa), pa)[0] for tx in txs)
     jax.tree.map(np.testing.assert_array_equal, ua, ub)
     assert (standard.width_mult, standard.logit_multiplier, standard.attention_scale) == (1.0, 1.0, 1 / 8)
     assert dataclasses.replace(WIDE, parametrization="standard").hidden_init_std(0.02) == 0.02

@@ -10,26 +10,30 @@ import optax
 import pytest
 from flax import nnx
 
-from configs.base import CheckpointConfig, Config, GuardConfig, OptimConfig, TrainConfig
+from configs.base import CheckpointConfig, Config, TrainConfig
 from gpt2 import GPT2Config
 from trainer.program.mesh import make_mesh
 from gpt2.model import GPT2
 from gpt2.sharded_init import abstract_model
 from gpt2.sharding import ShardingRules
-from trainer.program.optimizer import (
-    MUON_MATRICES,
-    decay_mask,
-    lr_schedule,
-    make_optimizer,
-    optimizer_of,
-    parameters_per_optimizer,
-)
+from optim import GuardConfig, OptimizerConfig, ScheduleConfig, unguarded
+from optim.adamw import AdamWConfig
+from optim.base import decay_mask, parameters_per_group
+from optim.muon import MuonConfig, muon_dimensions
+from optim.schedules import CosineSchedule
 from trainer.program.train_program import TrainProgram
+from trainer.run.resume import check_same_schedule
 from trainer.storage.checkpoints import CheckpointMismatch, Checkpoints, check_compatible
-from support.train_calls import BATCHES, one_device, param_diff, run_calls
+from support.faults import nan_gradient_at
+from support.train_calls import BATCHES, call_metrics, one_device, param_diff, run_calls
 
-MUON = OptimConfig(name="muon", warmup_steps=2, muon_lr=0.02)
-MUON_RUN = Config(model=GPT2Config.nano(), train=TrainConfig(batch_size=8, seq_len=16, steps=10), optim=MUON)
+MUON = MuonConfig(muon_lr=0.02)
+MUON_RUN = Config(model=GPT2Config.nano(), train=TrainConfig(batch_size=8, seq_len=16, steps=10), optim=MUON,
+                  schedule=CosineSchedule(warmup_steps=2))
+NO_WARMUP = CosineSchedule(warmup_steps=0)
+# gpt2/layers.py declares these four as hidden matrices (`hidden_matrix`): what Muon must own, by name
+HIDDEN = {("attn", "c_attn", "kernel"), ("attn", "c_proj", "kernel"), ("mlp", "c_fc", "kernel"),
+          ("mlp", "c_proj", "kernel")}
 
 
 def abstract_params(config: GPT2Config) -> nnx.State:
@@ -37,7 +41,7 @@ def abstract_params(config: GPT2Config) -> nnx.State:
 
 
 def groups(params: nnx.State) -> dict[tuple, str]:
-    return {path: v.get_value() for path, v in nnx.to_flat_state(optimizer_of(params))}
+    return {path: MUON.group_of(path, v) for path, v in nnx.to_flat_state(params)}
 
 
 @pytest.mark.parametrize("scan", [True, False])
@@ -45,12 +49,12 @@ def test_every_leaf_is_in_exactly_one_group_the_hidden_matrices_in_muons(scan):
     params = abstract_params(dataclasses.replace(GPT2Config.nano(), scan_layers=scan))
     labels = groups(params)
     assert set(labels) == {path for path, _ in nnx.to_flat_state(params)}
-    assert set(labels.values()) == {"muon", "adamw"}
-    muon = {path[-3:] for path, label in labels.items() if label == "muon"}
-    assert muon == set(MUON_MATRICES)  # attention's c_attn and c_proj, the MLP's c_fc and c_proj kernels
+    assert set(labels.values()) == {"lr/muon", "lr"}
+    muon = {path[-3:] for path, label in labels.items() if label == "lr/muon"}
+    assert muon == HIDDEN  # attention's c_attn and c_proj, the MLP's c_fc and c_proj kernels
     for path, label in labels.items():  # embeddings (wte is the tied head too), norms and biases: AdamW
         if path[-1] in ("embedding", "bias", "scale"):
-            assert label == "adamw", path
+            assert label == "lr", path
 
 
 def test_the_124m_partition_scanned_and_unscanned():
@@ -58,10 +62,10 @@ def test_the_124m_partition_scanned_and_unscanned():
     counts = {}
     for scan in (True, False):
         params = abstract_params(dataclasses.replace(GPT2Config.gpt2(), scan_layers=scan))
-        counts[scan] = parameters_per_optimizer(MUON, params)
+        counts[scan] = parameters_per_group(MUON, params)
     assert counts[True] == counts[False]
-    assert counts[True]["muon"] == 12 * 12 * 768**2 == 84_934_656
-    assert counts[True]["muon"] + counts[True]["adamw"] == GPT2Config.gpt2().num_params()
+    assert counts[True]["lr/muon"] == 12 * 12 * 768**2 == 84_934_656
+    assert counts[True]["lr/muon"] + counts[True]["lr"] == GPT2Config.gpt2().num_params()
 
 
 def test_each_group_gets_its_own_optimizers_update():
@@ -70,21 +74,23 @@ def test_each_group_gets_its_own_optimizers_update():
     params = nnx.state(GPT2(GPT2Config.nano(), rngs=nnx.Rngs(0)), nnx.Param)
     keys = iter(jax.random.split(jax.random.PRNGKey(1), 64))
     grads = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape), params)
-    cfg = dataclasses.replace(MUON, warmup_steps=0, grad_clip=0.0)
-    tx = make_optimizer(cfg, 10)
+    cfg = dataclasses.replace(MUON, grad_clip=0.0)
+    tx = unguarded(cfg, NO_WARMUP, 10)
     updates, _ = tx.update(grads, tx.init(params), params)
     flat = lambda tree: {p: v.get_value() for p, v in nnx.to_flat_state(tree)}  # noqa: E731
     u, g, p = flat(updates), flat(grads), flat(params)
+    variables = dict(nnx.to_flat_state(params))
     for path in (("h", "attn", "c_attn", "kernel"), ("h", "mlp", "c_proj", "kernel")):
-        alone = optax.contrib.muon(lr_schedule(cfg, 10, peak=cfg.muon_lr), ns_coeffs=cfg.muon_ns_coeffs,
-                                   beta=cfg.muon_momentum, muon_weight_dimension_numbers=MUON_MATRICES[path[1:]])
+        alone = optax.contrib.muon(NO_WARMUP.rate(cfg.muon_lr, 10), ns_coeffs=cfg.muon_ns_coeffs,
+                                   beta=cfg.muon_momentum,
+                                   muon_weight_dimension_numbers=muon_dimensions(variables[path]))
         expected, _ = alone.update(g[path], alone.init(p[path]), p[path])
         np.testing.assert_allclose(u[path], expected, rtol=0, atol=1e-7)
     q_update = u[("h", "attn", "c_attn", "kernel")][0, :, 0].reshape(p[("wte", "embedding")].shape[1], -1)
     singular = np.linalg.svd(np.asarray(q_update), compute_uv=False)
     assert singular.max() / singular.min() < 2  # Newton–Schulz: nearly orthogonal (not exact by design)
     path = ("wte", "embedding")
-    alone = optax.adamw(lr_schedule(cfg, 10), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    alone = optax.adamw(NO_WARMUP.rate(cfg.lr, 10), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
     expected, _ = alone.update(g[path], alone.init(p[path]), p[path])
     np.testing.assert_allclose(u[path], expected, rtol=0, atol=1e-9)
 
@@ -130,19 +136,66 @@ def test_adamw_default_is_unchanged():
     params = nnx.state(GPT2(GPT2Config.nano(), rngs=nnx.Rngs(0)), nnx.Param)
     keys = iter(jax.random.split(jax.random.PRNGKey(2), 64))
     grads = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape), params)
-    cfg = OptimConfig(warmup_steps=0)
+    cfg = AdamWConfig()
     before = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                         optax.adamw(lr_schedule(cfg, 10), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                         optax.adamw(NO_WARMUP.rate(cfg.lr, 10), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                                      weight_decay=cfg.weight_decay, mask=decay_mask))
-    ours, expected = make_optimizer(cfg, 10), before
+    ours, expected = unguarded(cfg, NO_WARMUP, 10), before
     assert jax.tree.structure(ours.init(params)) == jax.tree.structure(expected.init(params))
     a, _ = ours.update(grads, ours.init(params), params)
     b, _ = expected.update(grads, expected.init(params), params)
     assert param_diff(a, b) == 0
-    assert parameters_per_optimizer(cfg, params) == {"adamw": GPT2Config.nano().num_params()}
+    assert parameters_per_group(cfg, params) == {"lr": GPT2Config.nano().num_params()}
 
 
 def test_a_checkpoint_of_the_other_optimizer_is_refused_in_one_line():
     saved = {"config": {"model": dataclasses.asdict(MUON_RUN.model), "optim": {"name": "adamw"}}}
     with pytest.raises(CheckpointMismatch, match="optim.name: checkpoint 'adamw' vs config 'muon'"):
         check_compatible(saved, MUON_RUN, "run/checkpoints/4")
+
+
+def test_each_groups_logged_rate_is_its_own_schedule_at_the_applied_updates(monkeypatch):
+    """Muon with the spike guard and a NaN gradient at step 2 (skipped): each step reports both groups' rates, each
+    its own peak on the schedule read at the updates applied before it, so the skipped step's rate is repeated by
+    the step after it (the schedule moves with applied updates only)."""
+    nan_gradient_at(monkeypatch, 2)
+    cfg = dataclasses.replace(MUON_RUN, guard=GuardConfig(skip_spikes=True))
+    _, (metrics,) = call_metrics(cfg, one_device(), [BATCHES])
+    assert metrics["skipped"].tolist() == [0, 1, 0, 0]
+    applied = [0, 1, 1, 2]
+    for group, peak in (("lr", MUON.lr), ("lr/muon", MUON.muon_lr)):
+        expected = [float(cfg.schedule.rate(peak, cfg.train.steps)(n)) for n in applied]
+        np.testing.assert_allclose(metrics[group], expected, rtol=1e-6)
+    assert metrics["lr/muon"][3] / metrics["lr"][3] == pytest.approx(MUON.muon_lr / MUON.lr)
+
+
+def changed(value):
+    """Another valid value of a config field's: a different number (0 -> 0.5), None made a number, a tuple's parts
+    halved."""
+    if isinstance(value, bool):
+        return not value
+    if value is None:
+        return 7
+    if isinstance(value, tuple):
+        return tuple(v / 2 for v in value)
+    return value + 1 if isinstance(value, int) else value / 2 if value else 0.5
+
+
+@pytest.mark.parametrize("section, family", [("optim", OptimizerConfig), ("schedule", ScheduleConfig)])
+def test_a_resume_refuses_a_change_to_any_field_of_any_optimizer_or_schedule(section, family):
+    """No hand-kept list: every field of every registered variant (a new one included) changes the run's learning
+    rates, and a resume that changes one is refused naming it, unless train.reschedule allows it."""
+    for name, variant in family.variants.items():
+        run = dataclasses.replace(MUON_RUN, **{section: variant()})
+        saved = {"config": dataclasses.asdict(run)}
+        for f in dataclasses.fields(variant):
+            if f.name == "name":
+                continue
+            other = dataclasses.replace(run, **{section: dataclasses.replace(getattr(run, section),
+                                                                              **{f.name: changed(f.default)})})
+            refused = f"resuming would change the learning rates [(]{section}.{f.name}: "
+            with pytest.raises(CheckpointMismatch, match=refused):
+                check_same_schedule(saved, other, "run/checkpoints/4")
+            allowed = dataclasses.replace(other, train=dataclasses.replace(other.train, reschedule=True))
+            check_same_schedule(saved, allowed, "run/checkpoints/4")
+        check_same_schedule(saved, run, "run/checkpoints/4")  # the same config resumes

@@ -12,8 +12,20 @@ from pathlib import Path
 
 from support.cli import ROOT
 
-PACKAGES = ("configs", "data", "gpt2", "trainer", "planning", "tools", "benchmarks")
-TOP_LEVEL = ("train", "eval", "plan", "errors")
+PACKAGES = ("configs", "data", "gpt2", "optim", "trainer", "planning", "tools", "benchmarks")
+TOP_LEVEL = ("train", "eval", "plan", "errors", "fields")
+
+# The house, from the ground up: a module imports from its own floor or below, never above. Programs (the entry
+# points, `python -m data.prepare`, the tools and the benchmarks) stand on top and may use any floor.
+FLOORS = [
+    ("errors", "fields"),  # the ground: the application's errors, every config field's bound and check
+    ("gpt2", "data"),  # the model (its parameters carry their facts) and the tokens
+    ("optim",),  # optimizers and schedules: read the parameters' facts
+    ("configs",),  # the training config: the sections below composed, the presets, the command line
+    ("trainer",),  # training and evaluation runs
+    ("planning",),  # plan.py's library: compiles the trainer's program for a topology
+]
+PROGRAMS = ("train", "eval", "plan", "tools", "benchmarks", "data.prepare.cli", "data.prepare.__main__")
 
 
 def modules() -> dict[str, ast.Module]:
@@ -97,6 +109,26 @@ def test_the_storage_layer_below_the_run_directory_needs_no_jax():
     assert out.strip() == "[]"
 
 
+def floor_of(module: str) -> int:
+    if any(module == p or module.startswith(p + ".") for p in PROGRAMS):
+        return len(FLOORS)
+    return next(i for i, names in enumerate(FLOORS) if module.split(".")[0] in names)
+
+
+def test_no_import_runs_up_the_house():
+    """The model imports nothing of the optimizer, the configs or the trainer; the configs nothing of the trainer;
+    ... (FLOORS). Imports inside functions count."""
+    trees = modules()
+    upward = {f"{n} -> {m}" for n, tree in trees.items() for m in imports_of(n, tree, set(trees))
+              if floor_of(m) > floor_of(n)}
+    assert not upward, sorted(upward)
+
+
+def test_every_module_has_a_floor():
+    assert {floor_of(n) for n in modules()} <= set(range(len(FLOORS) + 1))
+    assert floor_of("gpt2.config") < floor_of("optim.base") < floor_of("configs.base") < floor_of("trainer.run")
+
+
 def test_training_never_imports_planning():
     """Planning (AOT compiles, the step-time model, the planner) is its own program over the training library, as
     MaxText's train_compile.py is; nothing a training or evaluation run executes reaches into it."""
@@ -114,7 +146,7 @@ def bounded_fields() -> set[str]:
 
     from configs.base import Config
     from configs.eval import EvalConfig
-    from configs.fields import Field
+    from fields import Field
     from configs.plan import PlanConfig
     from data.prepare.config import PrepareConfig
     from tools.export_hf import ExportConfig
@@ -153,7 +185,7 @@ def test_each_config_bound_is_checked_only_by_its_field():
     statement of the bound."""
     fields = bounded_fields()
     found = {name: range_checks(tree, fields) for name, tree in modules().items()
-             if name not in ("configs.fields", "tools.pod.cli")}  # the mechanism; the pod launcher's argparse flags
+             if name not in ("fields", "tools.pod.cli")}  # the mechanism; the pod launcher's argparse flags
     assert not {name: lines for name, lines in found.items() if lines}
 
 

@@ -16,13 +16,16 @@ import pytest
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
-from configs.base import CheckpointConfig, Config, OptimConfig, TrainConfig
+from configs.base import CheckpointConfig, Config, TrainConfig
+from optim import GuardConfig
+from optim.adamw import AdamWConfig
+from optim.schedules import CosineSchedule
 from errors import CheckpointError
 from gpt2 import GPT2Config
 from trainer.program.mesh import make_mesh
 from gpt2.sharding import ShardingRules
 from planning import hlo
-from trainer.program.optimizer import decay_mask, lr_schedule
+from optim.base import decay_mask
 from trainer.program.train_program import TrainProgram
 from trainer.run.data_position import realign
 from trainer.storage.checkpoints import Checkpoints
@@ -55,6 +58,17 @@ def test_inactive_steps_leave_the_state_untouched():
     assert losses_masked == losses_short and int(masked["step"]) == 2
     assert param_diff(masked["params"], short["params"]) == 0
     assert param_diff(masked["opt_state"], short["opt_state"]) == 0
+
+
+def test_the_compiled_train_call_holds_no_conditional():
+    """Inactive steps are dropped by a select, not skipped by a lax.cond: XLA's GPU backend copies a conditional's
+    predicate to the host and waits for the stream, so a K-step call would return only when its last step ended.
+    The compiled call (the spike guard on: every branch the step has) holds no conditional; the scan stays a loop."""
+    cfg = dataclasses.replace(NANO_RUN, guard=GuardConfig(skip_spikes=True))
+    program = TrainProgram.build(cfg, one_device())
+    with jax.set_mesh(program.mesh):
+        text = program.lower().compile().as_text()
+    assert "conditional(" not in text and "while(" in text
 
 
 def test_gradient_accumulation_equals_one_big_batch():
@@ -193,7 +207,7 @@ def test_weight_decay_skips_biases_and_norms_even_when_stacked():
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():
-    s = lr_schedule(OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1), total_steps=110)
+    s = CosineSchedule(warmup_steps=10, min_lr_ratio=0.1).rate(1.0, total_steps=110)
     assert float(s(0)) == 0.0 and float(s(5)) == pytest.approx(0.5)
     assert float(s(10)) == pytest.approx(1.0)
     assert float(s(60)) == pytest.approx(0.55, abs=1e-6)  # halfway down the cosine
@@ -245,7 +259,7 @@ def _corpus_batches(shakespeare, n):
 
 def _bf16_run(dtype, vocab_size=50257):
     return Config(model=GPT2Config(**BF16_SHAPE, vocab_size=vocab_size, dtype=dtype),
-                  optim=OptimConfig(lr=1e-3, warmup_steps=5),
+                  optim=AdamWConfig(lr=1e-3), schedule=CosineSchedule(warmup_steps=5),
                   train=TrainConfig(batch_size=8, seq_len=64, steps=30, steps_per_call=1))
 
 

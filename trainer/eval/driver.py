@@ -109,7 +109,8 @@ def evaluate_hf(cfg: EvalConfig) -> int:
     seq_len = cfg.seq_len or min(1024, model_config.block_size)
     initialize_distributed(DistributedConfig())
     on_process_0(lambda: check_results_file(cfg.out), f"write the results to {cfg.out}")
-    evaluator, corpus, seq_len = setup(cfg, model_config, DataConfig(dataset=cfg.dataset), seq_len)
+    data = None if cfg.tasks else DataConfig(dataset=cfg.dataset)  # lm-eval tasks bring their own documents
+    evaluator, corpus, seq_len = setup(cfg, model_config, data, seq_len)
     layout = evaluator.layout
     with jax.set_mesh(layout.mesh):
         model = from_hf(directory, mesh=layout.mesh, rules=layout.rules)
@@ -120,8 +121,8 @@ def evaluate_hf(cfg: EvalConfig) -> int:
     return 0
 
 
-def setup(cfg: EvalConfig, model_config, data: DataConfig, seq_len: int):
-    """(evaluator, corpus, seq_len) on this machine's devices; the prompt is checked before any work."""
+def setup(cfg: EvalConfig, model_config, data: DataConfig | None, seq_len: int):
+    """(evaluator, corpus or None, seq_len) on this machine's devices; the prompt is checked before any work."""
     if seq_len > model_config.block_size:
         raise ConfigError(f"--seq_len={seq_len} exceeds the model's context of {model_config.block_size}")
     if cfg.prompt is not None:

@@ -18,8 +18,6 @@ from __future__ import annotations
 import difflib
 import functools
 import math
-import socket
-import urllib.parse
 from pathlib import Path
 
 import jax
@@ -34,6 +32,7 @@ from tqdm.auto import tqdm
 
 from data.tokenizer import EOT, get_tokenizer
 from errors import CheckpointError, ConfigError, first_line
+from gpt2.hf import hub_offline
 from trainer.processes import say
 from trainer.program.evaluator import Evaluator
 from trainer.storage.run_dir import eval_record
@@ -259,19 +258,12 @@ def check_tasks_load(tasks: str, include_path: str | None, flags: tuple[str, str
 
 
 def offline_without_hub(timeout: float = 3.0) -> None:
-    """Puts the hub and datasets libraries in offline mode for this process when the hub does not take a
-    connection within `timeout` seconds: with no network they retry every file for ~25 s before failing, while
-    offline a dataset in the cache still loads and a missing one fails at once. Asked once, at the check."""
+    """The hub's offline mode (gpt2/hf.py `hub_offline`) for the datasets library too: a dataset in the cache
+    still loads and a missing one fails at once. Asked once, at the check."""
     import datasets
-    from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE:
-        return
-    endpoint = urllib.parse.urlparse(constants.ENDPOINT)
-    try:
-        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
-    except OSError:  # no route, no name resolution, or no answer
-        constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    if hub_offline(timeout):
+        datasets.config.HF_HUB_OFFLINE = True
 
 
 def evaluate_tasks(evaluator: Evaluator, params, *, tasks: str, include_path: str | None, limit: int | None,

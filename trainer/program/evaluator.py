@@ -21,7 +21,7 @@ from gpt2.config import GPT2Config
 from gpt2.model import next_token_loss
 from gpt2.sharding import ShardingRules
 from trainer.program.layout import ModelLayout
-from trainer.program.spike_guard import all_finite
+from optim.base import all_finite
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,16 +14,17 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+import optim
 from configs.base import Config
 from gpt2.model import GPT2, next_token_loss
 from gpt2.sharded_init import create_sharded_model
 from gpt2.sharding import ShardingRules
+from optim.base import all_finite
+from optim.spike_guard import from_state_format_1
 from trainer.program.evaluator import Evaluator
 from trainer.program.layout import ModelLayout
-from trainer.program.optimizer import lr_schedule, make_optimizer
-from trainer.program.spike_guard import SpikeGuardState, all_finite, init_stats, spike_guard, step_report
 
-# {"params": nnx.State, "opt_state": SpikeGuardState (the optimizer's state and the spike guard's statistics),
+# {"params": nnx.State, "opt_state": the optimizer's state (optim.build: the spike guard's statistics included),
 #  "step": int32[], "rng": key}: the same structure whatever the config
 TrainState = dict[str, Any]
 STATE_FORMAT = 2  # recorded in every checkpoint's metadata; without it, a checkpoint from before the guard's
@@ -38,15 +39,16 @@ class TrainProgram:
     config: Config
     layout: ModelLayout  # the model's graph, mesh, rules and parameter shardings
     evaluator: Evaluator  # validation loss on the same layout (the loop's evaluations and its pre-save probe)
-    tx: optax.GradientTransformation
-    schedule: optax.Schedule
+    optimizer: optim.Optimizer  # its transformation, and what it reports of each step
     state_shardings: TrainState  # NamedSharding per leaf
     batch_sharding: NamedSharding  # of a [K, B, T + 1] stack of batches
 
     @classmethod
     def build(cls, config: Config, mesh: Mesh) -> "TrainProgram":
         layout = ModelLayout.build(config.model, mesh, ShardingRules.preset(config.mesh.rules))
-        tx = spike_guard(config.guard, make_optimizer(config.optim, config.train.steps, config.model))
+        optimizer = optim.build(config.optim, config.schedule, config.guard, config.train.steps,
+                                config.model.mup_width_mult)
+        tx = optimizer.tx
         params, param_shardings = layout.abstract_params, layout.param_shardings
         replicated = NamedSharding(mesh, PartitionSpec())
         # every copy of the parameter tree in the optimizer state (moments, momenta) is laid out as the
@@ -58,8 +60,11 @@ class TrainProgram:
         )
         shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated,
                      "rng": replicated}
-        return cls(config, layout, Evaluator.on(layout), tx, lr_schedule(config.optim, config.train.steps),
-                   shardings, layout.batch_sharding(ndim=3))
+        return cls(config, layout, Evaluator.on(layout), optimizer, shardings, layout.batch_sharding(ndim=3))
+
+    @property
+    def tx(self) -> optax.GradientTransformationExtraArgs:
+        return self.optimizer.tx
 
     @property
     def mesh(self) -> Mesh:
@@ -83,24 +88,11 @@ class TrainProgram:
     def restore_target(self, meta: dict) -> tuple[TrainState, Callable[[TrainState], TrainState]]:
         """(what to restore a checkpoint with this metadata into, how to make the restored tree a TrainState).
 
-        Checkpoints written before STATE_FORMAT 2 hold the optimizer's state alone as "opt_state" and, from a run
-        with the spike guard on, its statistics as a top-level "guard" (fresh ones, as for a run that had it off,
-        otherwise): the one place that knows that layout."""
+        Checkpoints written before STATE_FORMAT 2 keep the spike guard's statistics apart (optim/spike_guard.py)."""
         if meta.get("state_format") == STATE_FORMAT:
             return self.abstract_state(), lambda state: state
-        target = self.abstract_state()
-        target = {**target, "opt_state": target["opt_state"].inner}
-        if meta.get("config", {}).get("guard", {}).get("skip_spikes", False):
-            target["guard"] = jax.tree.map(lambda a: a.update(sharding=self.state_shardings["step"]),
-                                           jax.eval_shape(init_stats))
-
-        def upgrade(old: TrainState) -> TrainState:
-            stats = old.pop("guard", None)
-            if stats is None:
-                stats = jax.device_put(init_stats(), self.state_shardings["step"])
-            return {**old, "opt_state": SpikeGuardState(old["opt_state"], stats)}
-
-        return target, upgrade
+        had_guard = meta.get("config", {}).get("guard", {}).get("skip_spikes", False)
+        return from_state_format_1(self.abstract_state(), had_guard, self.state_shardings["step"])
 
     def init_state(self, params: nnx.State | None = None) -> TrainState:
         """Fresh parameters (born sharded), or the given ones in their shardings (a fine-tune's starting
@@ -126,18 +118,23 @@ class TrainProgram:
     def train_call(self) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, dict]]:
         """jit(state, batches [K, B, T+1], active [K] bool) -> (state, metrics).
 
-        metrics: loss, grad_norm, lr, skipped and streak (the spike guard's), each [K]; state_finite, bool[]: every
+        metrics: each [K]: whatever the step reports (`_train_step`: loss, grad_norm, and the optimizer's own
+        report: each group's learning rate, the spike guard's skipped and streak); state_finite, bool[]: every
         parameter and optimizer moment is finite after the call (a state that is not must never be saved).
 
-        Step i runs only where active[i]: a call that must end early (at an evaluation, a checkpoint or the
-        last step) skips its tail instead of needing a second executable for fewer steps. Inactive steps leave
-        the state untouched and report zeros.
+        Step i takes effect only where active[i]: a call that must end early (at an evaluation, a checkpoint or
+        the last step) drops its tail instead of needing a second executable for fewer steps. An inactive step is
+        computed and its result discarded by a select, not skipped by a `lax.cond`: XLA's GPU backend copies a
+        conditional's predicate to the host and waits for it, which would make every call return only when its
+        last step is done. The calls of a run whose evaluations and checkpoints fall on multiples of K have no
+        inactive steps (trainer/run/loop.py `steps_this_call`); their metrics are the host's to drop.
         """
 
         def call(state, batches, active):
             def body(state, xs):
                 batch, on = xs
-                return jax.lax.cond(on, self._train_step, self._inactive_step, state, batch)
+                new, metrics = self._train_step(state, batch)
+                return jax.tree.map(lambda n, o: jnp.where(on, n, o), new, state), metrics
 
             state, metrics = jax.lax.scan(body, state, (batches, active))
             finite = all_finite((state["params"], state["opt_state"]))
@@ -167,16 +164,10 @@ class TrainProgram:
         with jax.named_scope("optimizer"):
             updates, new_opt_state = self.tx.update(grads, opt_state, params, loss=loss)
             params = optax.apply_updates(params, updates)
-        guard = step_report(opt_state, new_opt_state)
-        # the schedule moves with applied updates only: skipped steps did not advance the optimizer's own count
-        lr = self.schedule(step - opt_state.stats["skipped"])
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr, **guard}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                   **self.optimizer.report(opt_state, new_opt_state)}
         new = {**state, "params": params, "opt_state": new_opt_state, "step": step + 1}
         return new, {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-
-    def _inactive_step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
-        zero = jnp.zeros((), jnp.float32)
-        return state, {k: zero for k in ("loss", "grad_norm", "lr", "skipped", "streak")}
 
     def _gradient_hook(self, grads, step: jax.Array):
         """The identity. Tests replace it to plant a fault (a NaN gradient at a known step) in the real call."""

@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 
-from configs.base import Config, OptimConfig
+from configs.base import Config
 from data.loader import make_dataset
 from errors import UserError
 from gpt2.config import check_compute_dtype
@@ -23,7 +23,6 @@ from trainer.eval.sampling import prompt_that_fits, sample
 from trainer.eval.tasks import check_tasks
 from trainer.processes import failing_together, initialize_distributed, is_process_0, on_process_0, say
 from trainer.program.mesh import build_mesh
-from trainer.program.optimizer import parameters_per_optimizer
 from trainer.program.train_program import STATE_FORMAT, TrainProgram
 from trainer.run.context import RunContext
 from trainer.run.data_position import corpus_identity
@@ -165,20 +164,12 @@ def summary(run: RunContext, start: int, wandb_mode: str) -> str:
         f" × tensor {mesh.shape['tensor']}, rules {cfg.mesh.rules} (~{per_device:,.1f} MiB of parameters per device)",
         f"data     {run.corpus.directory}: {meta.get('train_tokens', 0):,} train / {meta.get('val_tokens', 0):,}"
         " val tokens",
-        optimizer_line(cfg.optim, run.program.abstract_params),
+        f"optim    {cfg.optim.describe(run.program.abstract_params)}, schedule {cfg.schedule.name}",
         f"steps    {t.steps:,} steps of {t.batch_size} × {t.seq_len} = {t.batch_size * t.seq_len:,} tokens,"
         f" {t.steps_per_call} per call; eval every {t.eval_every or t.steps}, checkpoint every"
         f" {cfg.checkpoint.every}",
         f"logs     metrics.jsonl, loss.png, logs/; wandb {wandb_mode}",
     ])
-
-
-def optimizer_line(o: OptimConfig, params) -> str:
-    counts = parameters_per_optimizer(o, params)
-    if o.name == "muon":
-        return (f"optim    muon (lr {o.muon_lr:g}) on {counts['muon']:,} parameters (attention and MLP matrices),"
-                f" adamw (lr {o.lr:g}) on {counts['adamw']:,} (embeddings and tied head, norms, biases)")
-    return f"optim    adamw (lr {o.lr:g}) on all {counts['adamw']:,} parameters"
 
 
 def outputs(run: RunContext, wandb_mode: str) -> str:

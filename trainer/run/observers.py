@@ -34,7 +34,7 @@ class FinishedCall:
     """A train call whose metrics the host has read."""
 
     step: int  # the step it started from
-    metrics: dict  # host arrays, one value per step taken
+    metrics: dict  # host arrays, one value per step taken, of every metric the step reports
     elapsed: float | None  # seconds since the previous call's metrics were ready; None for the first (it compiled)
     accounted_from: float  # the goodput timeline's mark at dispatch: the host work since then was this call's
     probed: tuple[float, float] | None  # (start, end) of the pre-save probe, which is checkpoint work
@@ -108,18 +108,14 @@ class Progress(Observer):
             self.restart_bar(call.reached)
 
     def record(self, call: FinishedCall, i: int, tokens_per_s, mfu) -> dict:
-        """Step call.step + i + 1's line of metrics.jsonl (and the spike guard's note on the console)."""
-        m, t, step = call.metrics, self.run.cfg.train, call.step + i + 1
-        record = {"step": step, "loss": number(m["loss"][i]), "lr": float(m["lr"][i]),
-                  "grad_norm": number(m["grad_norm"][i]), "tokens": step * t.batch_size * t.seq_len,
-                  "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_flops": self.peak, "skipped": int(m["skipped"][i])}
-        if record["skipped"]:
-            self.write(f"step {step}: update skipped by the spike guard (loss {record['loss']}, grad_norm"
-                       f" {record['grad_norm']})")
-            warmup = self.run.cfg.guard.warmup
-            if int(m["streak"][i]) == warmup:
-                self.write(f"step {step}: {warmup} steps in a row skipped (guard.warmup): the loss or gradient norm"
-                           " moved to a new level; the spike guard restarts its statistics")
+        """Step call.step + i + 1's line of metrics.jsonl: every metric the step reported (and the optimizer's notes
+        on it, e.g. a step the spike guard skipped, on the console)."""
+        t, step = self.run.cfg.train, call.step + i + 1
+        record = {"step": step, **{k: number(v[i]) for k, v in call.metrics.items() if np.ndim(v)},
+                  "tokens": step * t.batch_size * t.seq_len, "tokens_per_s": tokens_per_s, "mfu": mfu,
+                  "peak_flops": self.peak}
+        for note in self.run.program.optimizer.notes(record):
+            self.write(f"step {step}: {note}")
         return record
 
     def rolled_back(self, step: int, record: dict) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from configs import from_dict
 from configs.base import Config
 from trainer.processes import say
 from trainer.run import data_position, init_from
@@ -54,13 +55,9 @@ def restore(run: RunContext) -> Restored:
 
 
 def extension_hint(saved: dict, step: int) -> str:
-    """How to extend a run that finished at `step`: more steps, on the same learning-rate schedule (which
-    `check_same_schedule` requires): with optim.decay_steps unset the cosine ended at train.steps, so it is fixed
-    there and the rate stays at its final value."""
-    if saved.get("config", {}).get("optim", {}).get("decay_steps"):
-        return "To continue it: --train.steps=MORE (docs/training.md)"
-    return (f"To continue it: --train.steps=MORE --optim.decay_steps={step} (the learning rate stays at its final"
-            " value; --train.reschedule=True instead for a new cosine; docs/training.md)")
+    """How to extend a run that finished at `step` on the same learning-rate schedule (which
+    `check_same_schedule` requires)."""
+    return f"To continue it: {saved_config(saved).schedule.extension_hint(step)} (docs/training.md)"
 
 
 def restore_state(run: RunContext, step: int, saved: dict) -> dict:
@@ -70,23 +67,25 @@ def restore_state(run: RunContext, step: int, saved: dict) -> dict:
 
 
 def check_same_schedule(saved: dict, config: Config, where) -> None:
-    """Refuses a resume that would change the learning-rate schedule, unless train.reschedule is set."""
-    if config.train.reschedule:
+    """Refuses a resume that would change any parameter's learning rate from the resumed step on — any optimizer or
+    schedule field (each whole config compared, so a new field is covered by being one), or the run's length where
+    the schedule follows it — unless train.reschedule is set."""
+    if config.train.reschedule or "config" not in saved:
         return
-    old = saved.get("config", {})
-    o, t = old.get("optim", {}), old.get("train", {})
-    if not o or "steps" not in t:
-        return
-    before = {"optim.lr": o.get("lr"), "optim.min_lr_ratio": o.get("min_lr_ratio"),
-              "optim.warmup_steps": o.get("warmup_steps"), "decay": o.get("decay_steps") or t.get("steps")}
-    c = config.optim
-    now = {"optim.lr": c.lr, "optim.min_lr_ratio": c.min_lr_ratio, "optim.warmup_steps": c.warmup_steps,
-           "decay": c.decay_steps or config.train.steps}
-    changed = [k for k in before if before[k] != now[k]]
+    old = saved_config(saved)
+    before = {"optim": dataclasses.asdict(old.optim), "schedule": old.schedule.curve(old.train.steps)}
+    now = {"optim": dataclasses.asdict(config.optim), "schedule": config.schedule.curve(config.train.steps)}
+    changed = [f"{section}.{k}: {before[section].get(k)} -> {now[section].get(k)}" for section in before
+               for k in sorted(before[section].keys() | now[section].keys())
+               if before[section].get(k) != now[section].get(k)]
     if changed:
-        name = {"decay": "optim.decay_steps (train.steps when unset)"}
-        fields = "; ".join(f"{name.get(k, k)}: {before[k]} -> {now[k]}" for k in changed)
-        keep = (f"keep the old values (to extend a run on its old schedule: --optim.decay_steps={before['decay']})"
-                if "decay" in changed else "keep the old values")
-        raise CheckpointMismatch(f"{where}: resuming would change the learning-rate schedule ({fields}); {keep},"
-                                 " or pass --train.reschedule=True to accept the change")
+        keep = "keep the old values"
+        if before["schedule"] != now["schedule"]:
+            keep += f" (to extend a run on its old schedule: {old.schedule.extension_hint(old.train.steps)})"
+        raise CheckpointMismatch(f"{where}: resuming would change the learning rates ({'; '.join(changed)});"
+                                 f" {keep}, or pass --train.reschedule=True to accept the change")
+
+
+def saved_config(saved: dict) -> Config:
+    """The config a checkpoint's metadata records, in today's layout."""
+    return from_dict(saved["config"])

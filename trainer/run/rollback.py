@@ -2,7 +2,7 @@
 the spike guard skipped. `health` gives the verdict; `roll_back` restores the newest checkpoint and moves the data
 past the bad batches, or ends the run in one line naming the last good checkpoint.
 
-The spike guard inside the train call (trainer/program/spike_guard.py) skips single bad steps; what it cannot
+The spike guard inside the train call (optim/spike_guard.py) skips single bad steps; what it cannot
 skip arrives here. SIGTERM is trainer/run/preemption.py's; a checkpoint that cannot be written,
 trainer/storage/checkpoints.py's.
 """
@@ -13,7 +13,7 @@ import numpy as np
 
 from errors import TrainingError
 from trainer.processes import say
-from trainer.program.spike_guard import without_streak
+from optim.spike_guard import without_streak
 from trainer.run.context import RunContext
 from trainer.run.resume import restore_state
 from trainer.storage.checkpoints import save_errors

@@ -38,9 +38,20 @@ class Field(Doc):
                  lt: float | None = None, multiple_of: int | None = None, one_of: typing.Iterable[str] = (),
                  special: dict[Any, str] | None = None):
         self.ge, self.gt, self.le, self.lt, self.multiple_of = ge, gt, le, lt, multiple_of
-        self.one_of, self.special, self.doc = tuple(one_of), special or {}, doc
+        # `one_of` may be a live view (a Choice's registered variants, which grow as their modules are imported)
+        self._one_of, self.special, self.doc = one_of, special or {}, doc
+
+    @property
+    def one_of(self) -> tuple[str, ...]:
+        return tuple(self._one_of)
+
+    @property
+    def documentation(self) -> str:  # what tyro shows in --help (typing_extensions.Doc's attribute)
         bound = self.bound()
-        super().__init__(f"{doc} ({bound})" if bound else doc)
+        return f"{self.doc} ({bound})" if bound else self.doc
+
+    def __hash__(self) -> int:
+        return hash(self.doc)
 
     def bound(self) -> str:
         """The range in words: ">= 1", "in [0, 1)", "> 0, a multiple of 128", ">= 1 or -1 (...)"."""
@@ -77,7 +88,8 @@ class Checked:
 
     def __init_subclass__(cls, section: str = "", **kwargs):
         super().__init_subclass__(**kwargs)
-        cls.section = section
+        if section or not hasattr(cls, "variants"):  # a Choice's variants keep their family's section
+            cls.section = section
 
     def __post_init__(self):
         if not _deferred.get():
@@ -97,6 +109,47 @@ class Checked:
     @classmethod
     def flag(cls, name: str) -> str:
         return f"--{cls.section}.{name}" if cls.section else f"--{name}"
+
+
+class Choice(Checked):
+    """A config section whose variants register themselves by name (Levanter's `OptimizerConfig.register_subclass`,
+    torchtitan's optimizer factories): the family's base class declares what every variant shares, and a variant is
+    one subclass, in one file, that names itself and adds its own fields:
+
+        class Optimizer(Choice, section="optim"): ...          # the family: lr, grad_clip
+        class AdamW(Optimizer, choice="adamw"): ...            # + b1, b2, eps, weight_decay
+
+    Every class of the family gets the field `name`, the variant's own name by default: config.json records it,
+    `configs.from_dict` rebuilds the variant from it, and `--optim.name=muon` on the command line switches the
+    variant before the other flags are read (configs/cli.py), so that `--optim.muon_lr` is a flag of Muon only.
+    """
+
+    variants: typing.ClassVar[dict[str, type]] = {}
+
+    def __init_subclass__(cls, choice: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if choice is None:  # a family's base: its own registry
+            cls.variants = {}
+        else:
+            cls.variants[choice] = cls
+        # `name` first among the fields, with this class's name as its default (dataclass reads both from here)
+        doc = Field(f"which {cls.section} (each variant adds fields of its own; `--{cls.section}.name=NAME --help`"
+                    " lists them)", one_of=cls.variants.keys())
+        cls.__annotations__ = {"name": typing.Annotated[str, doc], **cls.__dict__.get("__annotations__", {})}
+        cls.name = choice or ""
+
+    def cross_check(self) -> None:
+        if self.variants.get(self.name) is not type(self):
+            raise ConfigError(f"--{self.section}.name={self.name!r} is not a {type(self).__name__}")
+
+    def switch(self, name: str) -> "Choice":
+        """The variant `name` of this family, keeping the values of the fields the two share."""
+        if name not in self.variants:
+            raise ConfigError(f"--{self.section}.name must be one of {', '.join(self.variants)}, got {name!r}")
+        variant = self.variants[name]
+        shared = {f.name for f in dataclasses.fields(variant)} - {"name"}
+        with deferred_checks():  # the flags still to come may make it valid
+            return variant(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in shared})
 
 
 def field_problem(hint, value) -> str | None:

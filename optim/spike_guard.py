@@ -17,13 +17,49 @@ The transformation is always in the chain, so the train state has one structure 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Annotated, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from configs.base import GuardConfig
+from fields import Checked, Field
+from optim.base import all_finite
+
+@dataclasses.dataclass(frozen=True)
+class GuardConfig(Checked, section="guard"):
+    """Numerical safety beyond the check that always runs (a non-finite train state is never saved).
+
+    The spike guard skips, inside the scanned train call, the update of a step whose loss or gradient norm is
+    an outlier: its residual against the quantity's moving level (the trend) lies more than `z_loss` /
+    `z_grad_norm` standard deviations above the residuals of the steps it accepted (llm.c's `-sl` / `-sg`
+    outlier skip, made robust to the falling trend of the loss; below). A skipped step
+    leaves the parameters and optimizer state unchanged but still consumes its batch and its step number (the
+    optimizer's own count, and so the learning-rate schedule, moves with applied updates only). A step with a
+    non-finite loss or gradient norm, or whose update would make the state non-finite, is always skipped while
+    the guard is on. The running statistics are part of the checkpoint.
+    """
+
+    skip_spikes: Annotated[bool, Field("turn the spike guard on")] = False
+    z_loss: Annotated[float, Field("loss outlier threshold in standard deviations", gt=0)] = 6.0
+    z_grad_norm: Annotated[float, Field(
+        "gradient-norm (before clipping) outlier threshold in standard deviations", gt=0)] = 6.0
+    decay: Annotated[float, Field(
+        "decay of the residuals' moving mean and variance (0.99: about the last 100 accepted steps)", gt=0,
+        lt=1)] = 0.99
+    warmup: Annotated[int, Field(
+        "accepted steps before the thresholds apply (the statistics need a few residuals). As many skipped steps"
+        " in a row restart the statistics (a new level, not a spike) and this warm-up", ge=3)] = 100
+    rollback_after: Annotated[int | None, Field(
+        "after this many consecutive skipped steps, or at once when the train state is not finite, restore the"
+        " newest checkpoint and continue with the data guard.rollback_skip batches past the ones the abandoned"
+        " steps read (PaLM, Chowdhery et al. 2022, section 5.1). None: no rollback; a non-finite state then stops"
+        " the run", ge=1)] = None
+    rollback_skip: Annotated[int, Field(
+        "batches skipped after the abandoned steps' batches at a rollback", ge=0)] = 100
+    max_rollbacks: Annotated[int, Field("rollbacks one run may take; one more stops the run", ge=1)] = 3
+
 
 LEVEL_DECAY = 0.9  # the level follows the trend within ~10 accepted steps
 
@@ -66,6 +102,35 @@ def step_report(before: SpikeGuardState, after: SpikeGuardState) -> dict[str, ja
     return {"skipped": after.stats["skipped"] - before.stats["skipped"], "streak": after.stats["streak"]}
 
 
+def from_state_format_1(abstract_state: dict, had_guard: bool, replicated) -> tuple[dict, Any]:
+    """Checkpoints written before the guard's statistics moved into the optimizer state (state format 1) hold the
+    optimizer's state alone as "opt_state" and, from a run with the guard on, its statistics as a top-level "guard"
+    (fresh ones, as for a run that had it off, otherwise): (what to restore such a checkpoint into, given this run's
+    abstract train state; how to make the restored tree this run's). `replicated`: the statistics' sharding."""
+    target = {**abstract_state, "opt_state": abstract_state["opt_state"].inner}
+    if had_guard:
+        target["guard"] = jax.tree.map(lambda a: a.update(sharding=replicated), jax.eval_shape(init_stats))
+
+    def upgrade(old: dict) -> dict:
+        stats = old.pop("guard", None)
+        if stats is None:
+            stats = jax.device_put(init_stats(), replicated)
+        return {**old, "opt_state": SpikeGuardState(old["opt_state"], stats)}
+
+    return target, upgrade
+
+
+def guard_notes(cfg: GuardConfig, record: dict) -> list[str]:
+    """What the console says of a step's logged record (`step_report`'s skipped and streak among its metrics)."""
+    if not record.get("skipped"):
+        return []
+    notes = [f"update skipped by the spike guard (loss {record['loss']}, grad_norm {record['grad_norm']})"]
+    if record.get("streak") == cfg.warmup:
+        notes.append(f"{cfg.warmup} steps in a row skipped (guard.warmup): the loss or gradient norm moved to a new"
+                     " level; the spike guard restarts its statistics")
+    return notes
+
+
 def without_streak(state: SpikeGuardState) -> SpikeGuardState:
     """After a rollback the new data gets a fresh count (the checkpoint may have been saved mid-streak)."""
     return state._replace(stats=state.stats | {"streak": jnp.zeros_like(state.stats["streak"])})
@@ -74,12 +139,6 @@ def without_streak(state: SpikeGuardState) -> SpikeGuardState:
 def init_stats() -> GuardStats:
     stats = {f"{q}_{k}": jnp.zeros((), jnp.float32) for q in QUANTITIES for k in ("level", "m1", "m2")}
     return stats | {k: jnp.zeros((), jnp.int32) for k in ("accepted", "skipped", "streak")}  # own buffers: donated
-
-
-def all_finite(tree) -> jax.Array:
-    """bool[]: every element of every floating leaf is finite (one fused reduction on the devices)."""
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
 
 
 def is_outlier(cfg: GuardConfig, stats: GuardStats, loss: jax.Array, grad_norm: jax.Array) -> jax.Array:
