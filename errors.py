@@ -8,10 +8,18 @@ writer in `data/` that must start without JAX) raises these same classes.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import sys
 from typing import Callable
+
+# The run's own lines (start-up, warnings, the error it ends with), also written to its log (logs/process_<i>.log)
+# while trainer/telemetry/library_logs.py holds the log open; nowhere else (no console handler: printing is ours).
+RUN_LOG = logging.getLogger("gpt2_nnx")
+RUN_LOG.propagate = False
+RUN_LOG.addHandler(logging.NullHandler())
+RUN_LOG.setLevel(logging.INFO)
 
 
 class UserError(Exception):
@@ -61,6 +69,7 @@ def warn(message: str) -> None:
     """One `warning:` line on stderr, from whichever process met it (a storage outage, a damaged checkpoint moved
     aside): the run goes on."""
     print(f"warning: {message}", file=sys.stderr, flush=True)
+    RUN_LOG.warning(message)
 
 
 def fail(message: str):

@@ -28,7 +28,9 @@ class EvalConfig(Checked):
         "tokens per sequence (default: the run's train.seq_len; HF: 1024 or the model's context; with --tasks: the"
         " longest row lm-eval's requests are cut to, default the model's context)", ge=1)] = None
     dataset: Annotated[str | None, Field("corpus to evaluate on (default: the run's; required with --hf)")] = None
-    prompt: Annotated[str | None, Field("sample a continuation of this text after evaluating")] = None
+    prompt: Annotated[str | None, Field(
+        "sample a continuation of this text: alone, with no validation pass (a run's checkpoints); with --batches"
+        " N (or --tasks), after evaluating")] = None
     max_new_tokens: Annotated[int, Field(
         "tokens to sample (past the model's context each is sampled from the last block_size tokens, as nanoGPT"
         " does)", ge=1)] = 100
@@ -44,6 +46,12 @@ class EvalConfig(Checked):
     include_path: Annotated[str | None, Field("a directory of extra lm-eval task YAMLs (with --tasks)")] = None
     limit: Annotated[int | None, Field("lm-eval documents per task (default: all)", ge=1)] = None
     mesh: MeshConfig = MeshConfig(rules="fsdp")  # the device mesh to evaluate on (independent of training's)
+
+    @property
+    def validates(self) -> bool:
+        """Whether this invocation evaluates (the validation loss or lm-eval tasks), not only samples: a prompt
+        alone only samples, unless --batches asks for the loss too, or the weights are Hugging Face's."""
+        return self.prompt is None or self.batches is not None or self.tasks is not None or self.hf is not None
 
     def cross_check(self) -> None:
         if (self.run_dir is None) == (self.hf is None):

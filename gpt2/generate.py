@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gpt2.model import GPT2
@@ -31,12 +33,14 @@ def generate(
     top_k: int | None = None,
     use_cache: bool = True,
     slide: bool = False,
+    compiled: Callable | None = None,
 ) -> jax.Array:  # [B, P + max_new_tokens]
     """Samples continuations of `prompt`. Cached and uncached decoding give the same tokens.
 
     Past the model's context, `slide` samples each further token from the last block_size tokens, as nanoGPT's
     `generate` does (one full forward pass per token: with absolute positions no cache carries over); without
-    it a prompt and max_new_tokens longer than the context are refused.
+    it a prompt and max_new_tokens longer than the context are refused. `compiled`: `generate_cached` compiled
+    ahead for these shapes (trainer/eval/sampling.py), called with its arguments but the static ones.
     """
     P, block = prompt.shape[1], model.config.block_size
     total = P + max_new_tokens
@@ -48,8 +52,10 @@ def generate(
     graphdef, params = nnx.split(model)
     fits = min(max_new_tokens, block - P)  # decoded within the context
     tokens = jnp.asarray(prompt, jnp.int32)
-    if fits:
-        fn = _generate_cached if use_cache else _generate_uncached
+    if fits and compiled is not None:
+        tokens = compiled(params, tokens, key, np.float32(temperature))
+    elif fits:
+        fn = generate_cached if use_cache else _generate_uncached
         tokens = fn(graphdef, params, tokens, key, jnp.float32(temperature), fits, top_k)
     if fits < max_new_tokens:
         rest = _generate_sliding(graphdef, params, tokens[:, -block:], jax.random.fold_in(key, 1),
@@ -59,7 +65,8 @@ def generate(
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6))
-def _generate_cached(graphdef, params, prompt, key, temperature, max_new_tokens, top_k):
+def generate_cached(graphdef, params, prompt, key, temperature, max_new_tokens, top_k):
+    """The prompt [B, P] and max_new_tokens tokens decoded after it with the KV cache, within the context."""
     model = nnx.merge(graphdef, params)
     B, P = prompt.shape
     keys = jax.random.split(key, max_new_tokens)

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gpt2.config import QKV, GPT2Config
+from gpt2 import cudnn
+from gpt2.config import QKV, ConfigError, GPT2Config
 from gpt2.sharding import ShardingRules
 from gpt2.splash import splash_attention, target_platform
 
@@ -101,7 +102,7 @@ class CausalSelfAttention(nnx.Module):
             bias_metadata=param_meta("embed"), rngs=rngs, **dtypes,
         )
         self.resid_dropout = nnx.Dropout(config.dropout)
-        self.attention = config.attention
+        self.attention, self.dtype_name = config.attention, config.dtype  # the kernel: chosen when traced
         self.scale = config.attention_scale  # of q·k: 1/√K, or μP's α/K
         self.query_blocks = config.attention_query_blocks
         self.splash_blocks = (config.splash_block_q, config.splash_block_kv)  # a tuple: graph statics are hashed
@@ -129,11 +130,14 @@ class CausalSelfAttention(nnx.Module):
         return y, cache
 
     def _causal_attention(self, q, k, v, segment_ids) -> jax.Array:  # each [B, T, H, K] -> [B, T, H, K]
-        implementation = attention_implementation(self.attention)
+        implementation = attention_implementation(self.attention, self.dtype_name, q.shape[-1], q.shape[1])
         if implementation == "splash":  # skips the masked blocks itself: query_blocks does not apply
             block_q, block_kv = self.splash_blocks
             return splash_attention(q, k, v, segment_ids, scale=self.scale, block_q=block_q, block_kv=block_kv,
                                     rules=self.rules)
+        packed = segment_ids is not None and cudnn.packs_documents(cudnn.device_capability())
+        if implementation == "cudnn" and packed:
+            return cudnn.packed_attention(q, k, v, segment_ids, scale=self.scale)  # no [T, T] mask anywhere
         T, n = q.shape[1], self.query_blocks
         if n == 1 or T % n or segment_ids is not None:
             # The causal flag, not a materialized [T, T] mask, lets XLA/cuDNN kernels skip the work.
@@ -149,9 +153,11 @@ class CausalSelfAttention(nnx.Module):
         return jnp.concatenate(outs, axis=1)
 
 
-def attention_implementation(choice: str) -> str | None:
-    """What `model.attention` means for the program being traced: "splash", "xla", "cudnn", or None (let
-    jax.nn.dot_product_attention choose: cuDNN on GPUs where it can, else XLA).
+def attention_implementation(choice: str, dtype: str, head_dim: int, seq_len: int) -> str:
+    """What `model.attention` means for the program being traced: "splash", "cudnn" or "xla". "auto" is the fast
+    kernel of the target: splash on a TPU; cuDNN's flash attention on a GPU where it can run this attention
+    (gpt2/cudnn.py `refusal`: half precision, the head dimension, the GPU), with packed documents as segment
+    offsets from Hopper on; XLA's otherwise (jax.nn.dot_product_attention's own default is XLA's everywhere).
 
     "auto" is resolved here, when the attention is traced, and not in GPT2Config or at construction: the model's
     structure is built before any mesh exists (Evaluator.build), and only the trace knows its target — the mesh
@@ -159,7 +165,38 @@ def attention_implementation(choice: str) -> str | None:
     """
     if choice != "auto":
         return choice
-    return "splash" if target_platform() == "tpu" else None
+    platform = target_platform()
+    if platform == "tpu":
+        return "splash"
+    if platform == "gpu" and cudnn.refusal(dtype, head_dim, seq_len, cudnn.device_capability()) is None:
+        return "cudnn"
+    return "xla"
+
+
+def check_attention(config: GPT2Config, seq_len: int) -> None:
+    """Refuses model.attention=cudnn, before any work, where cuDNN's flash attention cannot run it (JAX would fail
+    inside the first call's compile)."""
+    if config.attention != "cudnn":
+        return
+    if target_platform() != "gpu":
+        raise ConfigError(f"--model.attention=cudnn needs an NVIDIA GPU, not {target_platform()}; use auto")
+    why = cudnn.refusal(config.dtype, config.head_dim, seq_len, cudnn.device_capability())
+    if why:
+        raise ConfigError(f"--model.attention=cudnn: {why}; or --model.attention=auto (XLA's then)")
+
+
+def describe_attention(config: GPT2Config, seq_len: int) -> str:
+    """The start-up's word on the attention kernel (under the run's mesh), and why not cuDNN's on a GPU where
+    "auto" falls back to XLA's."""
+    chosen = attention_implementation(config.attention, config.dtype, config.head_dim, seq_len)
+    if chosen == "cudnn":
+        packed = config.document_mask and cudnn.packs_documents(cudnn.device_capability())
+        return "cudnn flash" + ("; documents as packed segments" if packed else
+                                "; documents as a [B, 1, T, T] mask" if config.document_mask else "")
+    why = cudnn.refusal(config.dtype, config.head_dim, seq_len, cudnn.device_capability())
+    if chosen == "xla" and config.attention == "auto" and target_platform() == "gpu" and why:
+        return f"xla ({why})"
+    return chosen
 
 
 def _update_cache(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array) -> KVCache:

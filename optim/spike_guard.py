@@ -22,6 +22,7 @@ from typing import Annotated, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fields import Checked, Field
@@ -137,8 +138,9 @@ def without_streak(state: SpikeGuardState) -> SpikeGuardState:
 
 
 def init_stats() -> GuardStats:
-    stats = {f"{q}_{k}": jnp.zeros((), jnp.float32) for q in QUANTITIES for k in ("level", "m1", "m2")}
-    return stats | {k: jnp.zeros((), jnp.int32) for k in ("accepted", "skipped", "streak")}  # own buffers: donated
+    # host zeros: the optimizer's init places them (tracing a constant would compile a program per dtype)
+    stats = {f"{q}_{k}": np.zeros((), np.float32) for q in QUANTITIES for k in ("level", "m1", "m2")}
+    return stats | {k: np.zeros((), np.int32) for k in ("accepted", "skipped", "streak")}
 
 
 def is_outlier(cfg: GuardConfig, stats: GuardStats, loss: jax.Array, grad_norm: jax.Array) -> jax.Array:

@@ -10,6 +10,7 @@ import dataclasses
 from planning.compile_store import STORE
 from planning.step_report import StepTimeEstimate
 from trainer import libtpu_env
+from trainer.program.memory import program_bytes
 
 
 def compile_line(preset: str, topology: str, mesh_shape: dict[str, int], batch: int, seq_len: int,
@@ -53,8 +54,7 @@ class AotReport:
 
     @property
     def total_bytes(self) -> int:
-        # donated arguments alias outputs: count their buffers once
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+        return program_bytes(self.argument_bytes, self.output_bytes, self.alias_bytes, self.temp_bytes)
 
     @property
     def fits(self) -> bool:

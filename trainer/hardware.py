@@ -28,6 +28,11 @@ PEAK_CACHE = "~/.cache/gpt2_nnx/cpu_peak_flops.json"
 SAMPLES = 3  # measurements of the CPU peak kept the best of, one per start, before it is only read
 
 
+# What this trainer's train call reaches, as a fraction of the peak: 40-41 % on an H100/H200 at GPT-2 124M's shape,
+# 45-57 % on CPUs (docs/performance.md). The start-up's step-time estimate assumes it.
+TYPICAL_MFU = 0.4
+
+
 def peak_flops_per_device(override: float | None) -> float:
     """The config's value, a known accelerator's spec, or (CPU) this machine's float32 matmul peak.
 

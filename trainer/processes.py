@@ -22,7 +22,7 @@ from jax._src import distributed  # the coordination service's client: JAX expos
 from jax.experimental import multihost_utils
 
 from configs.base import DistributedConfig
-from errors import ConfigError, UserError, first_line
+from errors import RUN_LOG, ConfigError, UserError, first_line
 from trainer.rollcall import roll_call
 
 T = TypeVar("T")
@@ -79,6 +79,7 @@ def say(text: str) -> None:
     """Prints once per job (on process 0)."""
     if is_process_0():
         print(text, flush=True)
+    RUN_LOG.info(text)
 
 
 def barrier(name: str) -> None:

@@ -339,7 +339,9 @@ def test_refusals_on_resume_name_the_fields(k4_run, shakespeare, tmp_path):
         assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr[-2000:]
         return stderr
 
-    assert "checkpoint does not fit this model: model.n_layer: checkpoint 2 vs config 3" in refused("--model.n_layer=3")
+    message = refused("--model.n_layer=3")
+    assert "checkpoint does not fit this model: model.n_layer: checkpoint 2 vs config 3" in message
+    assert f"start this one in a fresh --run_dir (e.g. --run_dir={run_dir}_2)" in message
     assert "checkpoint was trained with train.seq_len=32, this run has 16" in refused("--train.seq_len=16")
     other = damaged_copy(shakespeare, tmp_path, truncate_train_bin)
     edit_meta(other, train_tokens=500_000)

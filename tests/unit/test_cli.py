@@ -209,3 +209,18 @@ def test_one_boolean_style_with_every_documented_form(form):
         assert parse(PrepareConfig, ["--source", "x", "--out_dir", "y", *args], prog="prepare").overwrite is True
     assert not parse(PrepareConfig, ["--source", "x", "--out_dir", "y", "--no-overwrite"], prog="prepare").overwrite
     assert parse(EvalConfig, ["--run_dir=r", "--all=True", "--no-wandb"], prog="eval.py").all is True
+
+
+def test_a_train_call_that_cannot_fit_the_machine_is_refused_before_its_first_step(shakespeare, tmp_path, monkeypatch):
+    """The compiled call's memory (XLA's analysis) against what the host has free: one line naming the flags, and
+    no step taken (the kernel's OOM killer would leave nothing to read)."""
+    from trainer.program import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 2**20)  # 1 MiB free
+    code, _, stderr = run_main(train_app.main, "--run_dir", str(tmp_path / "run"), f"--data.cache_dir={shakespeare}",
+                               *SMALL)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr[-2000:]
+    assert stderr.startswith("error: the train call needs ") and "but this machine has 0.0 GiB free: lower" \
+        " --train.batch_size (now 8) or raise --train.grad_accum (now 1)" in stderr
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or '"loss"' not in metrics.read_text()

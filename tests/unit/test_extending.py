@@ -72,7 +72,7 @@ def test_a_metric_the_step_returns_is_logged_with_no_other_edit(monkeypatch):
     from trainer.run.observers import FinishedCall, Progress
 
     cfg = Config()
-    program = SimpleNamespace(optimizer=SimpleNamespace(notes=lambda record: []))
+    program = SimpleNamespace(optimizer=SimpleNamespace(notes=lambda record: []), on_step=None)
     progress = Progress(SimpleNamespace(cfg=cfg, program=program), SimpleNamespace(active=False), 1e12, 0)
     metrics = {"loss": np.array([3.0, 2.5]), "grad_norm": np.array([1.0, 0.5]), "lr": np.array([0.0, 1e-4]),
                "param_norm": np.array([12.0, 12.5]), "state_finite": np.array(True)}

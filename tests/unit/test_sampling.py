@@ -65,7 +65,7 @@ def test_the_default_sample_starts_with_a_small_block_size():
 def test_the_end_of_run_prompt_suits_the_corpus():
     """Unset, the prompt is "ROMEO:" on the embedded Shakespeare and <|endoftext|> (an unconditional sample) on a
     corpus of the user's own; a prompt given is used as given."""
-    from trainer.run.driver import sample_prompt
+    from trainer.run.final_sample import prompt as sample_prompt
 
     cfg = configs.load("shakespeare_cpu")
     assert cfg.train.sample_prompt is None

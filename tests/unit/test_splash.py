@@ -158,11 +158,11 @@ def test_sharded_attention_runs_the_kernel_on_each_devices_batch_and_heads():
     assert_close(y, call(plain, x, ids), FORWARD_ATOL)
 
 
-def test_auto_leaves_the_choice_to_jax_off_tpu():
-    assert attention_implementation("auto") is None  # CPU here: dot_product_attention picks
-    with jax.set_mesh(make_mesh(8, 1, 1)):
-        assert attention_implementation("auto") is None
-    assert attention_implementation("splash") == "splash"
+def test_auto_is_xla_on_a_cpu_mesh():
+    assert attention_implementation("auto", "float32", 64, 128) == "xla"  # a CPU here (tests/unit/test_attention.py:
+    with jax.set_mesh(make_mesh(8, 1, 1)):  # every platform's choice)
+        assert attention_implementation("auto", "bfloat16", 64, 128) == "xla"
+    assert attention_implementation("splash", "float32", 64, 128) == "splash"
 
 
 @pytest.mark.parametrize("field, value", [("splash_block_q", 100), ("splash_block_kv", 0), ("splash_block_q", 128.0)])

@@ -61,7 +61,8 @@ def evaluate_run(cfg: EvalConfig) -> int:
     initialize_distributed(DistributedConfig())
     use_compile_cache(run.train.compile_cache, run_dir, run.train.compile_cache_gb)
     out = cfg.out or str(run_dir / "eval.json")
-    on_process_0(lambda: check_results_file(out), f"write the results to {out}")
+    if cfg.validates:
+        on_process_0(lambda: check_results_file(out), f"write the results to {out}")
     evaluator, corpus, seq_len = setup(cfg, run.model, dataclasses.replace(run.data, dataset=dataset),
                                        cfg.seq_len or run.train.seq_len)
     records, failed = [], []
@@ -73,7 +74,9 @@ def evaluate_run(cfg: EvalConfig) -> int:
                 if not evaluator.params_finite(params):
                     raise CheckpointError(f"{ckpt.path(step)}: its parameters are not finite (saved by a run"
                                           " that diverged); evaluate an earlier checkpoint")
-                records.append(evaluate_params(cfg, evaluator, params, corpus, seq_len, step=step, dataset=dataset))
+                if cfg.validates:
+                    records.append(evaluate_params(cfg, evaluator, params, corpus, seq_len, step=step,
+                                                   dataset=dataset))
             except CheckpointError as e:
                 if not cfg.all:
                     raise CheckpointError(f"{e}; checkpoints in this run: {ckpt.all_steps()}") from None
@@ -83,8 +86,8 @@ def evaluate_run(cfg: EvalConfig) -> int:
                 continue
             maybe_sample(cfg, evaluator.layout.model(params))
     ckpt.close()
+    log_to_wandb(cfg, run, meta, records)  # first: wandb's own lines, then where the results are
     finish(records, out=out)
-    log_to_wandb(cfg, run, meta, records)
     if failed:
         raise CheckpointError(f"{len(failed)} of {len(chosen)} checkpoints could not be evaluated (steps {failed});"
                               " the others' results are saved")
@@ -129,7 +132,8 @@ def setup(cfg: EvalConfig, model_config, data: DataConfig | None, seq_len: int):
         prompt_ids(cfg, model_config.block_size)
     mesh = checked_mesh(cfg.mesh, cfg.batch_size, batch_flag=f"--batch_size={cfg.batch_size}")
     evaluator = Evaluator.build(model_config, mesh, ShardingRules.preset(cfg.mesh.rules))
-    corpus = None if cfg.tasks else resolve_corpus(data, vocab_size=model_config.vocab_size, seq_len=seq_len)
+    needed = cfg.validates and not cfg.tasks  # the validation loss reads the corpus; tasks and samples do not
+    corpus = resolve_corpus(data, vocab_size=model_config.vocab_size, seq_len=seq_len) if needed else None
     return evaluator, corpus, seq_len
 
 

@@ -17,10 +17,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import optim
 from configs.base import Config
 from gpt2.model import GPT2, next_token_loss
-from gpt2.sharded_init import create_sharded_model
 from gpt2.sharding import ShardingRules
 from optim.base import all_finite
 from optim.spike_guard import from_state_format_1
+from trainer.program.ahead import Ahead
 from trainer.program.evaluator import Evaluator
 from trainer.program.layout import ModelLayout
 
@@ -42,9 +42,13 @@ class TrainProgram:
     optimizer: optim.Optimizer  # its transformation, and what it reports of each step
     state_shardings: TrainState  # NamedSharding per leaf
     batch_sharding: NamedSharding  # of a [K, B, T + 1] stack of batches
+    # called on the host as each step of a call ends (its step number and loss), where a step takes long enough to
+    # be worth it: on a CPU (a host callback inside the scan would make a GPU wait for the host). None: no callback
+    on_step: Callable[[int, float], None] | None = None
 
     @classmethod
-    def build(cls, config: Config, mesh: Mesh) -> "TrainProgram":
+    def build(cls, config: Config, mesh: Mesh, on_step: Callable[[int, float], None] | None = None
+              ) -> "TrainProgram":
         layout = ModelLayout.build(config.model, mesh, ShardingRules.preset(config.mesh.rules))
         optimizer = optim.build(config.optim, config.schedule, config.guard, config.train.steps,
                                 config.model.mup_width_mult)
@@ -60,7 +64,8 @@ class TrainProgram:
         )
         shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated,
                      "rng": replicated}
-        return cls(config, layout, Evaluator.on(layout), optimizer, shardings, layout.batch_sharding(ndim=3))
+        return cls(config, layout, Evaluator.on(layout), optimizer, shardings, layout.batch_sharding(ndim=3),
+                   on_step)
 
     @property
     def tx(self) -> optax.GradientTransformationExtraArgs:
@@ -95,20 +100,28 @@ class TrainProgram:
         return from_state_format_1(self.abstract_state(), had_guard, self.state_shardings["step"])
 
     def init_state(self, params: nnx.State | None = None) -> TrainState:
-        """Fresh parameters (born sharded), or the given ones in their shardings (a fine-tune's starting
-        weights), and a fresh optimizer state with the same layout."""
-        if params is None:
-            model = create_sharded_model(self.config.model, self.mesh, self.layout.rules,
-                                         seed=self.config.train.seed)
-            params = nnx.state(model, nnx.Param)
-        opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings["opt_state"])(params)
-        put = lambda x, s: jax.device_put(x, s)  # noqa: E731
-        return {
-            "params": params,
-            "opt_state": opt_state,
-            "step": put(jnp.zeros((), jnp.int32), self.state_shardings["step"]),
-            "rng": put(jax.random.PRNGKey(self.config.train.seed), self.state_shardings["rng"]),
-        }
+        """Fresh parameters (born sharded: the output shardings reach into the random-number generation, so each
+        device makes only its own shard; gpt2/sharded_init.py), or the given ones (a fine-tune's starting
+        weights), and a fresh optimizer state, step and key, in one program laid out as the train state."""
+        config, rules, seed = self.config.model, self.layout.rules, self.config.train.seed
+
+        def fresh(params):
+            if params is None:
+                params = nnx.state(GPT2(config, rngs=nnx.Rngs(seed), rules=rules), nnx.Param)
+            return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32),
+                    "rng": jax.random.PRNGKey(seed)}
+
+        with jax.set_mesh(self.mesh):
+            return jax.jit(fresh, out_shardings=self.state_shardings)(params)
+
+    def compile_ahead(self) -> Ahead:
+        """The train call, compiling now on the background thread (trainer/program/ahead.py) while the host does
+        the rest of the start-up: the run's first call waits only for what is left of it."""
+        t = self.config.train
+        batches = jax.ShapeDtypeStruct((t.steps_per_call, t.batch_size, t.seq_len + 1), jnp.int32,
+                                       sharding=self.batch_sharding)
+        active = jax.ShapeDtypeStruct((t.steps_per_call,), jnp.bool_)
+        return Ahead(self.train_call(), self.mesh, self.abstract_state(), batches, active)
 
     def model(self, params: nnx.State) -> GPT2:
         return self.layout.model(params)
@@ -134,6 +147,8 @@ class TrainProgram:
             def body(state, xs):
                 batch, on = xs
                 new, metrics = self._train_step(state, batch)
+                if self.on_step is not None:
+                    jax.debug.callback(self._step_ended, on, new["step"], metrics["loss"])
                 return jax.tree.map(lambda n, o: jnp.where(on, n, o), new, state), metrics
 
             state, metrics = jax.lax.scan(body, state, (batches, active))
@@ -168,6 +183,10 @@ class TrainProgram:
                    **self.optimizer.report(opt_state, new_opt_state)}
         new = {**state, "params": params, "opt_state": new_opt_state, "step": step + 1}
         return new, {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+
+    def _step_ended(self, active, step, loss) -> None:
+        if active:  # an inactive step's result is dropped: it is no step
+            self.on_step(int(step), float(loss))
 
     def _gradient_hook(self, grads, step: jax.Array):
         """The identity. Tests replace it to plant a fault (a NaN gradient at a known step) in the real call."""

@@ -9,7 +9,9 @@ import numpy as np
 
 from configs.base import Config
 from data.loader import Corpus, to_global
+from trainer.program.ahead import Ahead
 from trainer.program.train_program import TrainProgram
+from trainer.run.final_sample import FinalSample
 from trainer.storage.checkpoints import Checkpoints
 from trainer.storage.run_dir import RunDir
 from trainer.telemetry.timeline import Timeline
@@ -26,6 +28,22 @@ class RunContext:
     corpus: Corpus
     train_iter: object  # Grain iterator of [B_local, T+1] batches
     timeline: Timeline  # where the time goes (events.jsonl)
+    final_sample: FinalSample  # the sample the run ends with
+    _train_call: list = dataclasses.field(default_factory=list, repr=False)  # the Ahead, once asked for
+
+    def train_call(self) -> Ahead:
+        """The train call, compiling ahead on the background thread from the first time it is asked for: resume
+        asks once the start is decided (a checkpoint that fits: the compile overlaps loading its arrays; a fresh
+        state: after its own program, which a CPU compiles no faster beside another), so that the compile
+        overlaps the rest of the start-up; the loop's first call waits for what is left."""
+        if not self._train_call:
+            self._train_call.append(self.program.compile_ahead())
+        return self._train_call[0]
+
+    def start_loader(self) -> None:
+        """The loader's workers start now (Grain's start_prefetch; nothing without workers), not at the first
+        call's batches: their start overlaps the compile."""
+        self.train_iter.start_prefetch()
 
     def next_batches(self, n: int) -> tuple[jax.Array, np.ndarray]:
         """The next n batches as one global [K, B, T+1] array (zero-padded to K) and the [K] active mask."""

@@ -17,16 +17,19 @@ from configs.base import Config
 from data.loader import make_dataset
 from errors import UserError
 from gpt2.config import check_compute_dtype
+from gpt2.layers import check_attention, describe_attention
 from gpt2.sharded_init import param_report, visualize_param
-from trainer.corpus import EMBEDDED, resolve_corpus, train_loader_config
-from trainer.eval.sampling import prompt_that_fits, sample
+from trainer.corpus import resolve_corpus, train_loader_config
 from trainer.eval.tasks import check_tasks
+from trainer.hardware import TYPICAL_MFU, peak_flops_per_device
 from trainer.processes import failing_together, initialize_distributed, is_process_0, on_process_0, say
 from trainer.program.mesh import build_mesh
 from trainer.program.train_program import STATE_FORMAT, TrainProgram
+from trainer.run import final_sample
 from trainer.run.context import RunContext
 from trainer.run.data_position import corpus_identity
 from trainer.run.loop import run_to_stop
+from trainer.run.observers import LiveSteps
 from trainer.run.preemption import Preemption
 from trainer.run.resume import Restored, restore
 from trainer.storage.checkpoints import Checkpoints
@@ -53,6 +56,7 @@ def train(cfg: Config) -> int:
 def _build_and_run(cfg: Config, entered: float, joined: float) -> int:
     """Takes the run directory, builds the run's context and runs it; the lock is released however it ends."""
     check_compute_dtype(cfg.model, jax.default_backend())  # the backend is known once the job has joined
+    check_attention(cfg.model, cfg.train.seq_len)
     mesh = build_mesh(cfg)
     corpus = resolve_corpus(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
     run_dir = open_run_dir(cfg.run_dir, cfg.storage)
@@ -61,11 +65,12 @@ def _build_and_run(cfg: Config, entered: float, joined: float) -> int:
     try:
         timeline = open_timeline(run_dir, entered, joined, cfg.storage.metrics_every)
         use_compile_cache(cfg.train.compile_cache, run_dir, cfg.train.compile_cache_gb)
-        program = TrainProgram.build(cfg, mesh)
+        live = LiveSteps() if jax.default_backend() == "cpu" and cfg.log.progress else None  # minutes a call
+        program = TrainProgram.build(cfg, mesh, on_step=live)
         ckpt = Checkpoints(run_dir.path, cfg.checkpoint, save_statistics=OrbaxSaveTimes(timeline))
         run = RunContext(cfg, program, run_dir, ckpt, corpus,
                           iter(make_dataset(corpus.files("train"), cfg.model.vocab_size, train_loader_config(cfg))),
-                          timeline)
+                          timeline, final_sample.FinalSample(cfg, program))
         timeline.interval("startup", joined)
         with jax.set_mesh(mesh), library_logs_to(run_dir / "logs"):
             _run(run)
@@ -96,7 +101,7 @@ def _run(run: RunContext) -> None:
         finished = int(state["step"]) >= run.cfg.train.steps
         if finished and run.cfg.train.sample_tokens:
             with run.timeline.measure("sample"):
-                say(sample_text(run.cfg, run.program, state))  # every process: the parameters may span them all
+                say(run.final_sample.text(state))  # every process: the parameters may span them all
         logger.plot()
         run.timeline.since_mark("finish")  # since the final checkpoint wait, or the sample: the plot, Preemption's exit
         run.timeline.end("preempted" if preemption.signal_name else "finished" if finished else "stopped")
@@ -115,7 +120,7 @@ def report_goodput(run: RunContext, logger: MetricsLogger) -> None:
     if not is_process_0():
         return
     result = goodput.report(run.run_dir.read_events())
-    print(result.text())
+    say(result.text())
     if logger.wandb is not None:
         logger.wandb.summary.update(result.summary())
 
@@ -134,7 +139,7 @@ def start_up(run: RunContext, restored: Restored, wandb_mode: str) -> tuple[Metr
     config = dataclasses.asdict(cfg)
     if is_process_0():
         run.run_dir.record_config(config, start)
-        print(summary(run, start, wandb_mode))
+        say(summary(run, start, wandb_mode))
         if cfg.log.print_config:
             print(json.dumps(config, indent=2))
         if cfg.log.param_report:
@@ -159,7 +164,9 @@ def summary(run: RunContext, start: int, wandb_mode: str) -> str:
     return "\n".join([
         f"run      {run.run_dir.path} ({'resumed at step ' + str(start) if start else 'new'}; config.json)",
         f"model    {m.num_params():,} parameters: {m.n_layer} layers, {m.n_head} heads, width {m.n_embd},"
-        f" context {m.block_size}, {m.dtype} compute",
+        f" context {m.block_size}, {m.dtype} compute, {m.parametrization} parametrization"
+        + (f" (μP base width {m.mup_base_width})" if m.parametrization == "mup" else ""),
+        f"attend   {describe_attention(m, t.seq_len)}",
         f"mesh     {mesh.size} × {jax.devices()[0].platform}: data {data} × fsdp {mesh.shape['fsdp']}"
         f" × tensor {mesh.shape['tensor']}, rules {cfg.mesh.rules} (~{per_device:,.1f} MiB of parameters per device)",
         f"data     {run.corpus.directory}: {meta.get('train_tokens', 0):,} train / {meta.get('val_tokens', 0):,}"
@@ -168,8 +175,19 @@ def summary(run: RunContext, start: int, wandb_mode: str) -> str:
         f"steps    {t.steps:,} steps of {t.batch_size} × {t.seq_len} = {t.batch_size * t.seq_len:,} tokens,"
         f" {t.steps_per_call} per call; eval every {t.eval_every or t.steps}, checkpoint every"
         f" {cfg.checkpoint.every}",
+        step_estimate(cfg),
         f"logs     metrics.jsonl, loss.png, logs/; wandb {wandb_mode}",
     ])
+
+
+def step_estimate(cfg: Config) -> str:
+    """What a step should take, before the first one: the model's FLOPs at TYPICAL_MFU of the devices' peak."""
+    t = cfg.train
+    flops = cfg.model.flops_per_token(t.seq_len) * t.batch_size * t.seq_len
+    peak = peak_flops_per_device(t.peak_flops) * jax.device_count()
+    seconds = flops / (peak * TYPICAL_MFU)
+    return (f"expect   ~{seconds:.3g} s a step ({flops / 1e9:,.1f} GFLOP at {TYPICAL_MFU:.0%} of"
+            f" {peak / 1e12:.3g} TFLOP/s); the first call compiles first")
 
 
 def outputs(run: RunContext, wandb_mode: str) -> str:
@@ -200,7 +218,7 @@ def take_run_dir(run_dir: RunDir, refresh_every: float = 60.0) -> None:
 
 def check_sample_prompt(cfg: Config) -> None:
     if cfg.train.sample_tokens:
-        sample_prompt(cfg)
+        final_sample.prompt(cfg)
 
 
 def check_eval_tasks(cfg: Config) -> None:
@@ -208,16 +226,3 @@ def check_eval_tasks(cfg: Config) -> None:
     t = cfg.train
     if t.eval_tasks is not None:
         check_tasks(t.eval_tasks, t.include_path, ("train.eval_tasks", "train.include_path"))
-
-
-def sample_prompt(cfg: Config) -> list[int]:
-    context, prompt = cfg.model.block_size, cfg.train.sample_prompt
-    if prompt is None:  # "" starts from <|endoftext|>
-        prompt = "ROMEO:" if cfg.data.dataset == EMBEDDED else ""
-    return prompt_that_fits(prompt, context, prompt_flag="train.sample_prompt", context=f"model.block_size={context}")
-
-
-def sample_text(cfg: Config, program: TrainProgram, state) -> str:
-    text = sample(program.model(state["params"]), sample_prompt(cfg), cfg.train.sample_tokens,
-                  seed=cfg.train.seed, temperature=0.8, top_k=200)
-    return f"--- sample ---\n{text}\n--------------"

@@ -18,10 +18,12 @@ import jax
 
 from configs.base import Config
 from trainer.hardware import peak_flops_per_device
+from trainer.processes import say
+from trainer.program.memory import check_fits
 from trainer.run.context import RunContext
 from trainer.run.data_position import rows_consumed_or_none
-from trainer.run.observers import (CallTimes, EvalTasks, FinishedCall, Observer, Progress, StallWatch, StartUp,
-                                   Tracing, Validation)
+from trainer.run.observers import (CallTimes, CompileAhead, EvalTasks, FinishedCall, Observer, Progress, StallWatch,
+                                   StartUp, Tracing, Validation)
 from trainer.run.preemption import Preemption
 from trainer.run.rollback import health, roll_back
 from trainer.run.watchdog import Watchdog
@@ -48,7 +50,7 @@ class DispatchedCall:
     n: int  # the steps it takes
     metrics: dict  # device arrays: read one call late
     batches: jax.Array  # [K, B, T+1]: its last batch probes the state before a save
-    dispatched: float  # time.perf_counter() at dispatch
+    dispatched: float  # time.perf_counter() just before its dispatch
     accounted_from: float  # the goodput timeline's mark at dispatch: the host work since then was this call's
 
 
@@ -72,14 +74,17 @@ class TrainingLoop:
     def run_calls(self) -> None:
         """Dispatches train calls until the stop step (or a preemption), each one before the previous one's
         metrics are read unless a boundary needs them now."""
-        call, pending = self.run.program.train_call(), None
+        call, pending = self.run.train_call(), None  # compiled ahead (trainer/program/ahead.py)
         while self.step < self.stop:
             n = steps_this_call(self.step, self.stop, self.cfg)
             batches, active = self.next_batches(n, waiting=pending is None)
             self.notify("call_dispatched", self.step, n)
             accounted_from = self.run.timeline.mark  # the first call compiles: the timeline carves that out
+            # timed from before the dispatch: a dispatch that blocks (XLA's GPU conditionals did, until the last
+            # step ran) must not shorten the call's measured time
+            started = time.perf_counter()
             self.state, metrics = call(self.state, batches, active)
-            dispatched = DispatchedCall(self.step, n, metrics, batches, time.perf_counter(), accounted_from)
+            dispatched = DispatchedCall(self.step, n, metrics, batches, started, accounted_from)
             self.step += n
             if pending is not None and not self.finish(pending):
                 pending = None  # rolled back: the call just dispatched is abandoned with it
@@ -151,7 +156,10 @@ class TrainingLoop:
 
 def run_to_stop(run: RunContext, state, preemption: Preemption, logger: MetricsLogger, meta: dict):
     """The loop with its observers, from `state` to the stop step; the state it ends with, its saves finished."""
-    cfg = run.cfg
+    cfg, call, t = run.cfg, run.train_call(), run.cfg.train
+    if not call.future.done():
+        say(f"compiling the train call ({t.steps_per_call} steps of {t.batch_size} × {t.seq_len} tokens)")
+    check_fits(call.executable(), cfg)  # waits for the compile: a call that cannot fit never starts
     peak = peak_flops_per_device(cfg.train.peak_flops) * jax.device_count()
     progress = Progress(run, logger, peak, int(state["step"]))
     watchdog = watchdog_for(run)
@@ -159,7 +167,8 @@ def run_to_stop(run: RunContext, state, preemption: Preemption, logger: MetricsL
     evaluations = [Validation(run, logger, progress)] + ([EvalTasks(run, logger, progress, watchdog)]
                                                          if cfg.train.eval_tasks else [])
     # in this order at every point: the watchdog last, so that it beats after the others' work
-    observers = [StartUp(), progress, CallTimes(run), Tracing(profile), *evaluations, StallWatch(watchdog)]
+    observers = [StartUp(), progress, CallTimes(run), CompileAhead(run), Tracing(profile), *evaluations,
+                 StallWatch(watchdog)]
     loop = TrainingLoop(run, state, preemption, observers, meta)
     run.timeline.since_mark("startup")  # wandb, the summary, the config, the evaluation's data, the peak FLOP/s
     with finishing_saves(run.ckpt), profile:

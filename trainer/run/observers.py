@@ -14,12 +14,14 @@ The points, as the loop reaches them:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from errors import RUN_LOG
 from trainer.corpus import val_dataset
 from trainer.processes import first_call_finished, start_up_point
 from trainer.run.context import RunContext
@@ -79,33 +81,81 @@ class StartUp(Observer):
         first_call_finished()
 
 
+class CompileAhead(Observer):
+    """Once the first call has finished (its own compile came first), the programs the run needs later compile on
+    the background thread while it trains (trainer/program/ahead.py): the evaluation's loss for the run's batches
+    and the final sample's decoding. Its first evaluation, pre-save probe and sample then compile nothing."""
+
+    def __init__(self, run: RunContext):
+        self.run, self.started = run, False
+
+    def call_finished(self, call: FinishedCall) -> None:
+        if not self.started:
+            self.started = True
+            t = self.run.cfg.train
+            self.run.program.evaluator.compile_ahead(t.batch_size, t.seq_len)
+            self.run.final_sample.compile_ahead()
+
+
+class LiveSteps:
+    """Each step's end as the devices reach it (the train call's host callback: TrainProgram.on_step), for the
+    progress bar on a CPU, where one call of K steps can take minutes and the first holds the compile besides."""
+
+    def __init__(self):
+        self.listener = None
+
+    def __call__(self, step: int, loss: float) -> None:
+        if self.listener is not None:
+            self.listener(step, loss)
+
+
 class Progress(Observer):
-    """Every step's metrics to metrics.jsonl and wandb (MetricsLogger), and the progress bar with its speed."""
+    """Every step's metrics to metrics.jsonl and wandb (MetricsLogger), and the progress bar with its speed: moved
+    at each call's end, and on a CPU at each step's (LiveSteps)."""
+
+    WINDOW = 10  # calls the speed is measured over
 
     def __init__(self, run: RunContext, logger: MetricsLogger, peak_flops: float, first_step: int):
         self.run, self.logger, self.peak = run, logger, peak_flops
+        self.recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.WINDOW)  # (tokens, s)
         t = run.cfg.train
         self.bar = tqdm(total=t.steps, initial=first_step, unit="step", dynamic_ncols=True,
                         disable=not (run.cfg.log.progress and logger.active))
+        if isinstance(run.program.on_step, LiveSteps):
+            run.program.on_step.listener = self.step_ended
 
     def write(self, line: str) -> None:
-        """A line above the bar, from process 0 only."""
+        """A line above the bar, from process 0 only (and in the run's log)."""
         if self.logger.active:
             self.bar.write(line)
+            RUN_LOG.info(line)
 
     def call_finished(self, call: FinishedCall) -> None:
         t, elapsed = self.run.cfg.train, call.elapsed
         tokens_per_s = mfu = None  # unknown for the call that compiled: its first execution also loaded it
         if elapsed is not None:
-            tokens_per_s = call.n * t.batch_size * t.seq_len / elapsed
+            tokens_per_s = self.speed(call.n * t.batch_size * t.seq_len, elapsed)
             mfu = tokens_per_s * self.run.cfg.model.flops_per_token(t.seq_len) / self.peak
         for i in range(call.n):
             self.logger.log(self.record(call, i, tokens_per_s, mfu))
-        self.bar.update(call.n)
+        self.bar.update(max(0, call.reached - self.bar.n))  # the steps LiveSteps has not shown yet
         speed = {} if elapsed is None else {"tok_s": f"{tokens_per_s:,.0f}", "mfu": f"{mfu:.1%}"}
         self.bar.set_postfix(loss=f"{call.metrics['loss'][-1]:.3f}", **speed)
         if elapsed is None:  # the first call compiled: the ETA counts from the calls after it
             self.restart_bar(call.reached)
+
+    def step_ended(self, step: int, loss: float) -> None:
+        """A step's end as the devices reach it (LiveSteps; XLA's callback thread)."""
+        self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # shown by the update
+        self.bar.update(max(0, step - self.bar.n))
+
+    def speed(self, tokens: int, elapsed: float) -> float:
+        """Tokens per second over the last WINDOW calls. One call's own time can read short (its dispatch
+        blocked, or the host read the call before it late, after the devices had moved on); over consecutive
+        calls those times add up to the wall time between the first one's start and the last one's end, which
+        the devices cannot beat."""
+        self.recent.append((tokens, elapsed))
+        return sum(n for n, _ in self.recent) / sum(s for _, s in self.recent)
 
     def record(self, call: FinishedCall, i: int, tokens_per_s, mfu) -> dict:
         """Step call.step + i + 1's line of metrics.jsonl: every metric the step reported (and the optimizer's notes
@@ -125,9 +175,16 @@ class Progress(Observer):
         self.restart_bar(step)
 
     def restart_bar(self, step: int) -> None:
-        """The progress bar at `step`, its rate and ETA measured from now on."""
-        self.bar.reset(total=self.bar.total)
+        """The progress bar at `step`, its rate, ETA and speed measured from now on. (tqdm's reset draws the bar at
+        step 0 before it can be moved: a resumed run's bar once read -15,606,712 step/s; it draws once, at `step`.)"""
+        self.recent.clear()
+        self.bar.refresh = lambda *args, **kwargs: None  # this instance's, until deleted below
+        try:
+            self.bar.reset(total=self.bar.total)
+        finally:
+            del self.bar.refresh
         self.bar.initial = self.bar.n = self.bar.last_print_n = step
+        self.bar.refresh()
 
     def close(self) -> None:
         self.bar.close()

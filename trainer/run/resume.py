@@ -5,11 +5,13 @@ data position as if it had never stopped.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from configs import from_dict
 from configs.base import Config
 from trainer.processes import say
+from trainer.program.ahead import OVERLAP_COMPILES
 from trainer.run import data_position, init_from
 from trainer.run.context import RunContext
 from trainer.storage.checkpoints import CheckpointMismatch, check_compatible
@@ -30,21 +32,30 @@ def restore(run: RunContext) -> Restored:
     cfg, program = run.cfg, run.program
 
     def attempt(step: int, saved: dict) -> dict | None:
-        check_compatible(saved, cfg, run.ckpt.path(step))
+        with another_run_hint(run):
+            check_compatible(saved, cfg, run.ckpt.path(step))
         if step >= cfg.train.steps:
             return None
-        data_position.check_same_data(saved, cfg, run.corpus, run.ckpt.path(step))
+        with another_run_hint(run):
+            data_position.check_same_data(saved, cfg, run.corpus, run.ckpt.path(step))
         check_same_schedule(saved, cfg, run.ckpt.path(step))
+        run.train_call()  # it fits: the train call compiles while its arrays load
         state = restore_state(run, step, saved)
         data_position.restore(run.ckpt, step, run.train_iter)
         data_position.realign(saved, cfg, run.train_iter, run.ckpt.path(step))
+        run.start_loader()
         return state
 
     found = run.ckpt.restore_latest(attempt)
     if found is None:
         if cfg.init_from:
             say(f"initialized from {cfg.init_from} (Hugging Face weights; fresh optimizer)")
-        return Restored(0, program.init_state(init_from.load_params(cfg, program.layout)))
+        run.start_loader()  # its workers start while the state is made
+        if OVERLAP_COMPILES:
+            run.train_call()  # compiles beside the initialization's own program
+        state = program.init_state(init_from.load_params(cfg, program.layout))
+        run.train_call()  # compiles while the host finishes the start-up (the summary, wandb, the first batches)
+        return Restored(0, state)
     step, saved, state = found
     if state is None:
         say(f"{run.run_dir.path}: already finished at step {step}; train.steps={cfg.train.steps}."
@@ -52,6 +63,26 @@ def restore(run: RunContext) -> Restored:
         return Restored(step, finished=True)
     say(f"resumed from {run.ckpt.path(step)}")
     return Restored(step, state, saved)
+
+
+@contextlib.contextmanager
+def another_run_hint(run: RunContext):
+    """A checkpoint of another model or corpus: most often a new experiment started on the run directory of an
+    earlier one (the default's), so the refusal names a fresh --run_dir."""
+    try:
+        yield
+    except CheckpointMismatch as e:
+        raise CheckpointMismatch(f"{e}. This run directory holds another run: start this one in a fresh --run_dir"
+                                 f" (e.g. --run_dir={fresh_run_dir(run.run_dir.path)}), or give that run's"
+                                 " settings to resume it") from None
+
+
+def fresh_run_dir(path) -> str:
+    """The first of <path>_2, <path>_3, ... that does not exist yet."""
+    n = 2
+    while path.parent.joinpath(f"{path.name}_{n}").exists():
+        n += 1
+    return str(path.parent / f"{path.name}_{n}")
 
 
 def extension_hint(saved: dict, step: int) -> str:

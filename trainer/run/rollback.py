@@ -44,8 +44,7 @@ def health(run: RunContext, state, metrics: dict, step: int, probe_batch) -> str
     if g.rollback_after is not None and (metrics["streak"] >= g.rollback_after).any():
         at = step + int(np.argmax(metrics["streak"] >= g.rollback_after)) + 1
         return f"the spike guard skipped {g.rollback_after} steps in a row (steps {at - g.rollback_after + 1}-{at})"
-    if probe_batch is not None and not np.isfinite(float(run.program.evaluator.loss_call(state["params"],
-                                                                                         probe_batch))):
+    if probe_batch is not None and not np.isfinite(float(run.program.evaluator.loss(state["params"], probe_batch))):
         return f"training diverged: the parameters after step {step + n} give a non-finite loss"
     return None
 

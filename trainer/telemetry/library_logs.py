@@ -14,7 +14,7 @@ from typing import Iterator
 import jax
 from absl import logging as absl_logging
 
-from errors import warn
+from errors import RUN_LOG, first_line, warn
 from trainer.storage.files import append, is_remote, oserror_reason
 
 
@@ -48,13 +48,15 @@ def library_logs_to(directory) -> Iterator[None]:
     for h in saved[0]:
         root.removeHandler(h)
     root.addHandler(handler)
+    RUN_LOG.addHandler(handler)  # the run's own lines beside the libraries' (errors.py)
     absl_handler.setLevel(logging.CRITICAL + 1)  # absl's own stderr handler
     logging.raiseExceptions = False  # a full disk must not print "--- Logging error ---" blocks
     sys.unraisablehook = _unraisable_to_log
     logging.captureWarnings(True)  # libraries' warnings.warn (JAX's notes on its compilation cache) too
     try:
         yield
-    except BaseException:
+    except BaseException as e:
+        RUN_LOG.error(first_line(e))  # what the run ends with, in its log too (the console gets it once, later)
         # Failing: background threads (Orbax's writers) may still log their side of it; they must not reach
         # the console either, so the console handlers stay detached.
         root.addHandler(logging.NullHandler())
@@ -69,6 +71,7 @@ def library_logs_to(directory) -> Iterator[None]:
         logging.captureWarnings(False)
     finally:
         root.removeHandler(handler)
+        RUN_LOG.removeHandler(handler)
         with contextlib.suppress(OSError):
             handler.close()
         if local is not None:

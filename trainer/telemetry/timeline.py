@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 
 import jax
@@ -56,15 +57,18 @@ class Timeline:
         self._compiles: dict | None = None  # compilations in a row, recorded as one (see _compiled)
         self._cache_hit = False
         self.mark = self.started  # where the latest record ends: what happens after it is not yet accounted for
+        # JAX's compile events come from the thread compiling ahead as well (trainer/program/ahead.py)
+        self._lock = threading.RLock()
 
     def record(self, event: str, **fields) -> None:
         if self.run_dir is None:
             return
-        self._flush_compiles()  # the compilations before this record, as one
-        self.mark = max(self.mark, fields.get("end", fields.get("time", self.mark)))
-        self.pending.append(json.dumps({"event": event, "attempt": self.attempt, **fields}) + "\n")
-        if self.log is not None:
-            self._write()
+        with self._lock:
+            self._flush_compiles()  # the compilations before this record, as one
+            self.mark = max(self.mark, fields.get("end", fields.get("time", self.mark)))
+            self.pending.append(json.dumps({"event": event, "attempt": self.attempt, **fields}) + "\n")
+            if self.log is not None:
+                self._write()
 
     def commit(self) -> None:
         """From now on records go to events.jsonl (the ones kept so far first)."""
@@ -131,12 +135,13 @@ class Timeline:
         stage = _COMPILE_STAGES.get(event)
         if stage is None:
             return
-        if start > self._last_span_end + 0.5:  # not the next stage of the same compilation
-            self._compiling = start
-        self._compiling, self._last_span_end = min(start, self._compiling), end
-        if stage == "backend":
-            self._compiled(self._compiling, end, str(kwargs.get("fun_name", "")))
-            self._compiling, self._cache_hit = float("inf"), False
+        with self._lock:
+            if start > self._last_span_end + 0.5:  # not the next stage of the same compilation
+                self._compiling = start
+            self._compiling, self._last_span_end = min(start, self._compiling), end
+            if stage == "backend":
+                self._compiled(self._compiling, end, str(kwargs.get("fun_name", "")))
+                self._compiling, self._cache_hit = float("inf"), False
 
     def _compiled(self, start: float, end: float, fun: str) -> None:
         """Adds a compilation to the record being gathered: compilations in a row (a checkpoint save compiles
