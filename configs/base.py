@@ -94,10 +94,11 @@ class TrainConfig(Checked, section="train"):
         " the schedule's length follows it (cosine without schedule.decay_steps, wsd). The rates then jump to the"
         " new values at the resumed step. Without it such a resume is refused")] = False
     compile_cache: Annotated[str, Field(
-        "JAX's persistent compilation cache, so that a restart loads its programs instead of compiling them"
-        ' again: "auto" (<run_dir>/compile_cache, local or gs://, shared by every process of the job and safe to'
-        ' share between jobs), a directory, or "off". A JAX_COMPILATION_CACHE_DIR set in the environment takes'
-        ' precedence over "auto"')] = "auto"
+        "JAX's persistent compilation cache, so that a restart, or a new run of programs compiled before, loads"
+        ' them instead of compiling them again: "auto" (a local run directory: ~/.cache/gpt2_nnx/compile_cache,'
+        " shared by this user's runs; gs://: <run_dir>/compile_cache, shared by every host of the job), a"
+        ' directory (local or gs://; safe to share between jobs), or "off". A JAX_COMPILATION_CACHE_DIR set in the'
+        ' environment takes precedence over "auto"')] = "auto"
     compile_cache_gb: Annotated[float, Field(
         "the cache's size bound; the least recently used programs are evicted past it", gt=0)] = 4.0
     eval_tasks: Annotated[str | None, Field(

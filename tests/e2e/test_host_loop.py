@@ -48,3 +48,26 @@ def test_the_async_loop_dispatches_ahead_and_changes_nothing(tmp_path, shakespea
         a, b = saved_state(tmp_path / "async", step), saved_state(tmp_path / "sync", step)
         assert jax.tree.structure(a) == jax.tree.structure(b)
         assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_a_call_that_returns_late_never_reads_faster_than_it_ran(tmp_path, shakespeare, monkeypatch):
+    """A dispatch that returns only once its call is done, and 0.3 s later (XLA's GPU conditionals made every K-step
+    call return at its last step): each call took at least 0.3 s of wall time, so no logged tokens/s may exceed a
+    call's tokens over 0.3 s. (Timed from after its dispatch, such a call read as the moment between its return and
+    its metrics: ~0 s.)"""
+    import time
+
+    from trainer.program.ahead import Ahead
+
+    run_call = Ahead.__call__
+
+    def returns_late(self, *args):
+        out = jax.block_until_ready(run_call(self, *args))
+        time.sleep(0.3)
+        return out
+
+    monkeypatch.setattr(Ahead, "__call__", returns_late)
+    run(tmp_path, shakespeare)
+    speeds = [r["tokens_per_s"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r.get("tokens_per_s")]
+    tokens_per_call = 2 * 8 * 32  # K steps of B × T (SMALL)
+    assert len(speeds) >= 8 and max(speeds) <= tokens_per_call / 0.3

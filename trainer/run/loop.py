@@ -65,7 +65,7 @@ class TrainingLoop:
         t = run.cfg.train
         self.step = self.first = int(state["step"])  # the step the state reaches when the dispatched calls end
         self.stop = min(t.steps, t.stop_after or t.steps)
-        self.calls, self.last_ready = 0, 0.0
+        self.calls, self.known_end = 0, 0.0
 
     def notify(self, point: str, *args) -> None:
         for observer in self.observers:
@@ -120,12 +120,16 @@ class TrainingLoop:
 
     def finish(self, c: DispatchedCall, *, probe: bool = False) -> bool:
         """Reads a call's metrics and checks them; False when the run rolled back instead."""
+        waited = not all(x.is_ready() for x in jax.tree.leaves(c.metrics))  # then `ready` is when it ended
         metrics = {k: v[: c.n] if v.ndim else v for k, v in jax.device_get(c.metrics).items()}  # waits
         ready = time.perf_counter()
-        # the call that compiled: its first execution also loads the program onto the devices, host work that
-        # returns late and so shortens its time (on a GPU it read as 155 % MFU): its time is not known
-        elapsed = None if c.step == self.first else ready - max(c.dispatched, self.last_ready)
-        self.last_ready = ready
+        # The call ran from its dispatch, or from the previous call's end where that is known (the read waited
+        # for it) and later. A call already done when read ended before `ready`: its time reads long, never short
+        # (a dispatch that returned late, a host busy past it). The call that compiled: its first execution also
+        # loads the program onto the devices, host work that shortens its time (on a GPU it read as 155 % MFU):
+        # its time is not known.
+        elapsed = None if c.step == self.first else ready - max(c.dispatched, self.known_end)
+        self.known_end = ready if waited else 0.0
         checked = time.time()
         problem = health(self.run, self.state, metrics, c.step, c.batches[c.n - 1] if probe else None)
         probed = (checked, time.time()) if probe else None  # the pre-save probe (a forward pass): checkpoint work
@@ -138,7 +142,7 @@ class TrainingLoop:
         with self.run.timeline.measure("rollback"):
             self.state, self.step, record = roll_back(self.run, problem, self.step, self.meta["rollbacks"])
         self.meta["rollbacks"] = record["rollback"]
-        self.last_ready = 0.0
+        self.known_end = 0.0
         self.notify("rolled_back", self.step, record)
         return False
 
