@@ -1,42 +1,35 @@
-"""tools.pod, the pod launcher: topology names against each target's table, the checks before anything is created, the
-commands and files of each target against golden files, the detached training on a TPU VM, the keep-alive against a
-simulated cloud (tests/support/cloud.py: fake gcloud and friends that behave as the real tools where it matters,
-hosts as local processes), and one end-to-end run per kind of platform: TPU VMs (JAX's metadata-server detection, two
-slices, ssh batches of one, a preemption, the launcher killed mid-run and attached again), GKE (TPU_WORKER_*), Slurm
-(SLURM_*, every GPU of every node).
+"""tools.pod, the pod launcher, on a simulated cloud (tests/support/cloud.py: fake gcloud and friends that behave as
+the real tools where it matters, hosts as local processes): the detached training on a TPU VM, the keep-alive, and
+one end-to-end run per kind of platform: TPU VMs (JAX's metadata-server detection, two slices, ssh batches of one, a
+preemption, the launcher killed mid-run and attached again), GKE (TPU_WORKER_*), Slurm (SLURM_*, every GPU of every
+node).
 
 The fast keep-alive tests run a stand-in for train.py (tests/support/fake_hosts/fake_train.py) on the fake hosts:
 they test the launcher, not the training. The end-to-end hosts `git clone` this checkout and run its committed HEAD.
-Times on the loaded 2-core machine: the fast tests ~1 min together; slow: the reference run ~1.5-3 min (once per
-module), the TPU VM run ~3-4 min, GKE and Slurm ~1.5-2 min each, the refusal ~11 s.
+Times on the loaded 2-core machine: the fast tests ~15 s together; slow: the reference run ~25-35 s (once per
+module), the TPU VM run ~50-65 s, GKE and Slurm ~15-35 s each, the refusal ~4 s.
 
-The golden files and the checks that need no cloud: tests/unit/test_pod.py.
+The faults of a first real launch: tests/e2e/test_pod_faults.py. The golden files and the checks that need no
+cloud: tests/unit/test_pod.py, tests/unit/test_pod_preflight.py.
 """
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 import pytest
-from support.cloud import FakeCloud
 
 import train as train_app
 from support.cli import ROOT, SMALL, read_jsonl, run_main
 from support.cloud import use
+from support.pod_runs import following, make_tiny_repo, tiny_job, trained_on_every_host, verbs, wait_for
 from tools.pod.__main__ import main as pod_main
-from tools.pod.job import Job, Where
 from tools.pod.keepalive import Keeper
-from tools.pod.topology import parse_topology
 from trainer.telemetry import goodput
 
-GOLDEN = ROOT / "tests" / "support" / "golden" / "pod"
-PINNED = ["--repo", "https://github.com/example/gpt2-nnx", "--commit", "0123456789abcdef0123456789abcdef01234567",
-          "--workdir", "pod-files"]  # the golden files do not change with each commit
 WHERE = ["--zone", "us-west4-a", "--project", "my-project"]
 
 
@@ -100,44 +93,7 @@ def test_the_fake_queued_resource_ssh_runs_its_batches_in_series(clouds):
 @pytest.fixture(scope="module")
 def tiny_repo(tmp_path_factory):
     """What the fast tests' hosts clone: this checkout's tools/pod/host.py and train.py's stand-in."""
-    repo = tmp_path_factory.mktemp("tiny_repo")
-    (repo / "tools" / "pod").mkdir(parents=True)
-    for init in ("tools/__init__.py", "tools/pod/__init__.py"):
-        (repo / init).write_text("")
-    shutil.copy(ROOT / "tools" / "pod" / "host.py", repo / "tools" / "pod" / "host.py")
-    shutil.copy(ROOT / "tests" / "support" / "fake_hosts" / "fake_train.py", repo / "train.py")
-    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run([*git, "init", "-q"], check=True)
-    subprocess.run([*git, "add", "."], check=True)
-    subprocess.run([*git, "commit", "-qm", "stand-in"], check=True)
-    return repo, subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-
-
-def tiny_job(tiny_repo, tmp_path, target="tpu-vm", retries=1) -> Job:
-    repo, commit = tiny_repo
-    where = Where(target, "pod", "z", "p", "c" if target != "tpu-vm" else "", tmp_path / "w")
-    (tmp_path / "run").mkdir(exist_ok=True)
-    return Job(where, parse_topology("v4-8", target), 1, str(tmp_path / "run"), str(repo), commit, (),
-               retries=retries, poll_seconds=0.05)
-
-
-def following(keeper: Keeper) -> tuple[threading.Thread, dict]:
-    """keeper.follow() in a thread; its status lands in the dict."""
-    result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("code", keeper.follow()), daemon=True)
-    thread.start()
-    return thread, result
-
-
-def wait_for(condition, what: str, seconds: float = 60) -> None:
-    deadline = time.time() + seconds
-    while not condition():
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def verbs(cloud) -> list[str]:
-    return [" ".join(c[3:5]) if c[0] == "gcloud" else " ".join(c[:3]) for c in cloud.calls()]
+    return make_tiny_repo(tmp_path_factory.mktemp("tiny_repo"))
 
 
 def test_state_errors_relaunch_nothing_and_an_attached_launcher_creates_nothing(tiny_repo, tmp_path, clouds,
@@ -156,21 +112,26 @@ def test_state_errors_relaunch_nothing_and_an_attached_launcher_creates_nothing(
     thread.join(60)
     assert result == {"code": 0}, capsys.readouterr()
     out = capsys.readouterr().out
-    assert "its state could not be read (the next poll asks again)" in out and "pod: the run finished" in out
+    assert "its state could not be read (ERROR: (gcloud.compute.tpus.queued-resources.describe) There was a problem" \
+           " refreshing your current auth tokens: UNAVAILABLE: connection reset); the next poll asks again" in out
+    assert "pod: the run finished" in out
     assert verbs(cloud).count("queued-resources create") == 1 and "queued-resources delete" not in verbs(cloud)
     assert {c[3] for c in cloud.calls()[started:]} == {"queued-resources", "tpu-vm"}  # describes and state reads
     assert all("tools.pod.host state" in " ".join(c) for c in cloud.calls()[started:] if c[3] == "tpu-vm")
 
 
-@pytest.mark.parametrize("loss", ["preempted", "failed"])
-def test_a_lost_slice_is_created_again_and_a_failed_training_restarts_on_its_hosts(tiny_repo, tmp_path, clouds,
-                                                                                   monkeypatch, capsys, loss):
+@pytest.mark.parametrize("loss", ["preempted", "failed", "saved"])
+def test_a_lost_slice_is_created_again_and_a_failed_or_saved_training_restarts_on_its_hosts(
+        tiny_repo, tmp_path, clouds, monkeypatch, capsys, loss):
     """SUSPENDED (preempted): deleted, created, installed, started again. A training that failed on a live
-    slice: what is left of it stopped, then started again on the same hosts."""
+    slice: what is left of it stopped, then started again on the same hosts. One that saved after a SIGTERM and
+    exited 0 (train.py today) too: its host records 42, which the launcher acts on without reading the run
+    directory (here it cannot: no gs:// credentials on the launcher's machine)."""
     cloud = use(clouds(), monkeypatch)
+    monkeypatch.setattr("tools.pod.keepalive.attempt_end", lambda run_dir, since: None)
     job = tiny_job(tiny_repo, tmp_path)
     run = tmp_path / "run"
-    (run / "exit").write_text("1") if loss == "failed" else (run / "hold").touch()
+    {"failed": run / "exit", "saved": run / "preempt", "preempted": run / "hold"}[loss].write_text("1")
     keeper = Keeper(job)
     keeper.bring_up()
     thread, result = following(keeper)
@@ -182,19 +143,24 @@ def test_a_lost_slice_is_created_again_and_a_failed_training_restarts_on_its_hos
     assert result == {"code": 0}, capsys.readouterr()
     created, stops = verbs(cloud).count("queued-resources create"), [
         r for r in cloud.worker_runs() if "tools.pod.host stop" in r["command"]]
-    assert (created, len(stops)) == ((1, 1) if loss == "failed" else (2, 0))
-    assert "relaunch 1 of 1" in capsys.readouterr().out
+    assert (created, len(stops)) == ((2, 0) if loss == "preempted" else (1, 1))
+    out = capsys.readouterr().out
+    assert "relaunch 1 of 1" in out
+    assert ("the training was preempted and saved its checkpoint; relaunch 1" in out) == (loss == "saved")
     ends = [r["how"] for r in read_jsonl(run / "events.jsonl") if r["event"] == "attempt_end"]
-    assert ends == (["failed", "finished"] if loss == "failed" else ["finished"])
+    assert ends == {"failed": ["failed", "finished"], "saved": ["preempted", "finished"],
+                    "preempted": ["finished"]}[loss]
     assert [r["number"] for r in read_jsonl(run / "events.jsonl") if r["event"] == "relaunch"] == [1]
 
 
+@pytest.mark.parametrize("retries", [1, 0])
 def test_jobset_restarts_are_its_own_and_its_state_errors_change_nothing(tiny_repo, tmp_path, clouds, monkeypatch,
-                                                                         capsys):
-    """`kubectl get` failing twice changes nothing; a Failed JobSet (its restarts spent) is reported, not
-    relaunched by the launcher: one owner of the restarts."""
+                                                                         capsys, retries):
+    """`kubectl get` failing twice changes nothing; a pod that fails makes JobSet restart every pod
+    (maxRestarts), not the launcher: one owner of the restarts. Its restarts spent, the Failed JobSet is
+    reported in one line with the delete command."""
     cloud = use(clouds(), monkeypatch)
-    job = tiny_job(tiny_repo, tmp_path, target="jobset", retries=2)
+    job = tiny_job(tiny_repo, tmp_path, target="jobset", retries=retries)
     (tmp_path / "run" / "exit").write_text("1")
     (tmp_path / "run" / "hold").touch()
     keeper = Keeper(job)
@@ -205,14 +171,20 @@ def test_jobset_restarts_are_its_own_and_its_state_errors_change_nothing(tiny_re
     wait_for(lambda: (cloud.root / "flaky").read_text() == "0", "the failing kubectl calls")
     (tmp_path / "run" / "hold").unlink()
     thread.join(60)
-    assert result == {"code": 1}
     err = capsys.readouterr().err
-    assert "the JobSet failed after its restarts (maxRestarts 2)" in err and len(err.strip().splitlines()) == 1
     assert verbs(cloud).count("kubectl apply -f") == 1 and not any("delete" in v for v in verbs(cloud))
+    ends = [r["how"] for r in read_jsonl(tmp_path / "run" / "events.jsonl") if r["event"] == "attempt_end"]
+    if retries:
+        assert result == {"code": 0} and ends == ["failed", "finished"], err
+        return
+    assert result == {"code": 1} and ends == ["failed"]
+    assert "the JobSet failed after its restarts (maxRestarts 0)" in err and len(err.strip().splitlines()) == 1
+    assert "; the JobSet pod may exist; delete it with: python -m tools.pod delete --target jobset --name pod" in err
 
 
-# the TPU VM run: 16 steps before its preemption at checkpoint 16, 16 after it (the launcher is killed meanwhile)
-RUN = [*SMALL, "--train.steps=32", "--train.eval_every=0", "--checkpoint.every=8", "--mesh.fsdp=2"]
+# the TPU VM run: 16 steps before its preemption at checkpoint 16, 16 after it (the launcher is killed meanwhile);
+# two saves, not four: each costs a 2-process job seconds here, and the losses do not depend on them
+RUN = [*SMALL, "--train.steps=32", "--train.eval_every=0", "--checkpoint.every=16", "--mesh.fsdp=2"]
 
 
 SHORT = [*RUN, "--train.steps=8"]  # its first 8 steps: one learning-rate schedule for any length (SMALL)
@@ -226,14 +198,8 @@ def launch_on_fake_pod(cloud, run_dir, shakespeare, *flags, run=RUN, verb="launc
            "--poll_seconds", "0.5", *flags, "--", f"--data.cache_dir={shakespeare}", *run]
     env = {**cloud.env(), "PYTHONPATH": str(ROOT), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}  # the AOT check beside
     # another user of libtpu on this machine (as tests/e2e/test_aot.py)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def trained_on_every_host(cloud: FakeCloud, hosts: int) -> bool:
-    """Whether, on every slice the cloud created, each of its hosts ran train.py."""
-    runs = [r for r in cloud.worker_runs() if "train.py" in r["command"]]
-    slices = {r["slice"] for r in runs}
-    return bool(slices) and all({r["worker"] for r in runs if r["slice"] == s} == set(range(hosts)) for s in slices)
+    return subprocess.Popen(cmd, cwd=cloud.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # (Slurm's submit directory, where the install goes)
 
 
 def losses(run_dir):
@@ -303,12 +269,13 @@ def test_gke_and_slurm_hosts_find_their_place_and_train_on_every_device(tmp_path
     assert proc.returncode == 0, out[-4000:]
     assert "pod: the run finished" in out
     assert trained_on_every_host(cloud, hosts=2)
-    console = "".join(p.read_text() for p in (cloud.root / "pods").glob("*/host-0/out.log"))
+    logs = cloud.root.glob("pod-*.log") if target == "slurm" else (cloud.root / "pods").glob("*/host-0/out.log")
+    console = "".join(p.read_text() for p in logs)  # (sbatch --output, in the submit directory; a pod's log)
     assert "mesh     4 × cpu: data 2 × fsdp 2" in console, console[-3000:]
     np.testing.assert_allclose(losses(tmp_path / "run"), losses(reference)[:8], rtol=0, atol=1e-5)
     if target == "slurm":
         job_id = (cloud.root / "w" / "pod.jobid").read_text().strip()
-        assert ["squeue", "-h", "-j", job_id, "-o", "%T"] in cloud.calls()
+        assert ["squeue", "-h", f"--jobs={job_id}", "--states=all", "-o", "%T"] in cloud.calls()
 
 
 def test_status_and_delete_reach_what_launch_created(clouds, monkeypatch):
@@ -326,8 +293,10 @@ def test_a_program_that_does_not_fit_is_refused_before_anything_is_created(tmp_p
     """The default AOT check: 1.6 B parameters and their Adam moments on every v5e chip (26 GiB of 16)."""
     cloud = use(clouds(), monkeypatch)
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold libtpu's lock file
-    code, _, err = run_main(pod_main, "launch", "--topology", "v5e-8", "--run_dir", "gs://b/r", *WHERE, *PINNED[:4],
-                            "--workdir", str(tmp_path / "w"), "--", "--config", "gpt2_124m", "--model.n_layer=8",
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    code, _, err = run_main(pod_main, "launch", "--topology", "v5e-8", "--run_dir", "gs://b/r", *WHERE, "--repo",
+                            str(ROOT), "--commit", head, "--workdir", str(tmp_path / "w"), "--", "--config",
+                            "gpt2_124m", "--model.n_layer=8",
                             "--model.n_embd=4096", "--model.n_head=32", "--model.scan_layers=true", "--mesh.rules=dp")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "does not fit in HBM" in err, err
-    assert cloud.calls() == [] and not (tmp_path / "w").exists()
+    assert not any(c[0] == "gcloud" and "create" in c for c in cloud.calls()) and not (tmp_path / "w").exists()

@@ -1,25 +1,30 @@
 """A simulated cloud for tools.pod's tests: fake `gcloud`, `xpk`, `kubectl`, `sbatch`, `srun`, `squeue`, `sacct`,
-`scancel`, `scontrol` executables on PATH that record every call, and hosts that are local processes, each with
-CPU devices, its own home directory and what its real platform gives it (no PYTHONPATH to this checkout):
+`scancel`, `scontrol` executables on PATH that record every call and behave as the real tools' sources say where it
+matters (docs/pods.md, "Checked against"), and hosts that are local processes, each with CPU devices, its own home
+directory and what its real platform gives it (no PYTHONPATH to this checkout):
 
 - TPU VMs (`gcloud compute tpus queued-resources create`): a metadata server per host (GCE_METADATA_IP) answering
   agent-worker-number, worker-network-endpoints and, for several slices, tpu-env's MEGASCALE_* lines: what JAX's
   GceTpuCluster reads. `tpu-vm ssh --worker=all` runs a command on every host of a slice at once, as gcloud's GA
   command does; `queued-resources ssh --node=all --worker=all` runs it in batches of --batch-size hosts (default
-  64, or FAKE_CLOUD_SSH_BATCH), each batch waited for before the next and a failed batch ending it, as gcloud's
-  tpu_vm/ssh.py does. `preempt` and `delete` kill everything on the VMs (also what was detached from the ssh).
-- GKE pods (`xpk workload create`, `kubectl apply` of a JobSet): TPU_WORKER_ID and TPU_WORKER_HOSTNAMES, and for
-  several slices MEGASCALE_*, as GKE sets them, and the node's metadata server (an empty tpu-env): what JAX's
-  GkeTpuCluster reads.
-- Slurm tasks (`sbatch`, then the script's `srun`): SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID,
-  SLURM_LOCALID, one task per node: what JAX's SlurmCluster reads; a node's GPUs are CPU devices that JAX's
-  device restriction (jax_cuda_visible_devices) reaches as it would reach GPUs (tests/support/site/sitecustomize.py).
+  64, or FAKE_CLOUD_SSH_BATCH), each batch waited for before the next and a failed batch ending it; a failed
+  worker is named (`##### Command execution on worker N failed with exit status S. Continuing.`) and its status
+  is gcloud's, as gcloud's tpu_vm/ssh.py does. `preempt` and `delete` kill everything on the VMs (also what was
+  detached from the ssh). The zone's accelerator types and runtime versions answer `describe`; `log_out` makes
+  every later gcloud call fail as a logged-out gcloud does.
+- Their image (tests/support/fake_hosts/image.py): python3 3.10 without the venv module; uv from pip's user site;
+  `fail_install` makes a host's package index fail once or always.
+- GKE (tests/support/cloud_gke.py): regional clusters (a zonal credentials lookup answers 404), JobSet's restarts
+  and its Completed on every pod exiting 0, xpk's restart exit codes; pods with TPU_WORKER_ID,
+  TPU_WORKER_HOSTNAMES and, for several slices, MEGASCALE_*, as GKE sets them.
+- Slurm (tests/support/cloud_slurm.py): sbatch on a site without select/cons_tres (--gres only), a task given one
+  CPU and killed for memory unless the job asks for the node, squeue that forgets an ended job, sacct disabled;
+  tasks with what JAX's SlurmCluster reads (tests/support/site/sitecustomize.py makes a node's GPUs CPU devices).
 
 Where a real pod has one address per host and these share 127.0.0.1, a job's coordinator port is its own:
 JAX_COORDINATOR_PORT (JAX's own override) on TPU hosts, a Slurm job id whose port (JAX: 61440 + id % 4096) is free.
-JAX_FORCE_TPU_INIT makes JAX take a TPU host without chips for a Cloud TPU VM. The VM image's `python3 -m venv`
-makes an environment whose python is this interpreter (the image has the packages; its pip records and does
-nothing). `fail_next(n)` makes the next n `describe` / `kubectl get` calls fail as a transient API error does.
+JAX_FORCE_TPU_INIT makes JAX take a TPU host without chips for a Cloud TPU VM. `fail_next(n)` makes the next n
+`describe` / `kubectl get` calls fail as a transient API error does.
 
     cloud = FakeCloud(tmp_path); env = cloud.env()   # PATH and FAKE_CLOUD_DIR for the launcher's subprocess
 """
@@ -30,7 +35,6 @@ import fcntl
 import http.server
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -39,25 +43,37 @@ import threading
 import time
 from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
 HOSTS = {"v4-16": 2, "v4-8": 1, "v5litepod-16": 4, "v5litepod-8": 1}  # accelerator type -> hosts (its own table)
 CHIPS_PER_HOST = {"v4-16": 4, "v4-8": 4, "v5litepod-16": 4, "v5litepod-8": 8}
-TOOLS = ("gcloud", "xpk", "kubectl", "sbatch", "squeue", "sacct", "scancel", "srun", "scontrol")
-SITE = Path(__file__).resolve().parent / "site"  # the sitecustomize of every process the tests start
-SLURM_PORTS = 61440  # JAX's Slurm coordinator port: 61440 + SLURM_JOB_ID % 4096 (jax/_src/clusters/slurm_cluster.py)
+RUNTIMES = ("tpu-ubuntu2204-base", "v2-alpha-tpuv5", "v2-alpha-tpuv5-lite", "v2-alpha-tpuv6e")
+TOOLS = {"gcloud": HERE / "cloud.py", "xpk": HERE / "cloud_gke.py", "kubectl": HERE / "cloud_gke.py",
+         **{t: HERE / "cloud_slurm.py" for t in ("sbatch", "squeue", "sacct", "scancel", "srun", "scontrol")}}
+SITE = HERE / "site"  # the sitecustomize of every process the tests start
+LOGGED_OUT = """ERROR: ({}) You do not currently have an active account selected.
+Please run:
+
+  $ gcloud auth login
+
+to obtain new credentials."""
 
 
 class FakeCloud:
-    def __init__(self, root: Path, devices_per_host: int | None = None, ssh_batch: int = 64):
+    def __init__(self, root: Path, devices_per_host: int | None = None, ssh_batch: int = 64,
+                 clusters: dict[str, str] | None = None, accounting: bool = False):
         self.root = Path(root)
         self.devices_per_host = devices_per_host  # CPU devices per host (default: one per chip)
         self.ssh_batch = ssh_batch  # gcloud's default --batch-size
         self.bin = self.root / "bin"
         self.bin.mkdir(parents=True, exist_ok=True)
-        for tool in TOOLS:
-            _script(self.bin / tool, f'exec {sys.executable} {Path(__file__).resolve()} {tool} "$@"\n')
+        for tool, program in TOOLS.items():
+            _script(self.bin / tool, f'exec {sys.executable} {program} {tool} "$@"\n')
         self.image = self.root / "image"  # the VM image's own programs
         self.image.mkdir(exist_ok=True)
-        _script(self.image / "python3", f'exec {sys.executable} {Path(__file__).resolve()} python3 "$@"\n')
+        _script(self.image / "python3", f'exec {sys.executable} {HERE / "fake_hosts" / "image.py"} python3 "$@"\n')
+        # GKE clusters -> their location (xpk creates regional ones); Slurm's accounting (sacct) on or off
+        (self.root / "clusters.json").write_text(json.dumps({"c": "us-west4"} if clusters is None else clusters))
+        (self.root / "accounting").write_text("1" if accounting else "")
 
     def env(self, base: dict | None = None) -> dict:
         base = dict(os.environ if base is None else base)
@@ -69,7 +85,7 @@ class FakeCloud:
         return [json.loads(line)["argv"] for line in _lines(self.root / "calls.jsonl")]
 
     def worker_runs(self) -> list[dict]:
-        """Every command a host ran: {node, worker, command, slice (its creation), started, ended}."""
+        """Every command a host ran: {node, worker, command, slice (its creation), status}."""
         return [json.loads(line) for line in _lines(self.root / "workers.jsonl")]
 
     def state(self) -> dict:
@@ -78,6 +94,17 @@ class FakeCloud:
     def fail_next(self, n: int) -> None:
         """The next n state reads (`queued-resources describe`, `kubectl get jobset`) fail as an API error does."""
         (self.root / "flaky").write_text(str(n))
+
+    def log_out(self) -> None:
+        """From now on every gcloud call fails as gcloud does without an active account (credentials/exceptions.py
+        NoActiveAccountException)."""
+        (self.root / "logged_out").touch()
+
+    def fail_install(self, host: str, times: int = 1) -> None:
+        """The package index fails `host`'s next `times` installs (-1: every one), as a 503 does."""
+        path = self.root / "install_faults.json"
+        faults = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**faults, host: times}))
 
     def preempt(self, name: str) -> None:
         with _locked(self.root) as state:
@@ -202,15 +229,50 @@ def _record(root: Path, **run) -> None:
 
 def gcloud(root: Path, argv: list[str]) -> int:
     words = [a for a in argv if not a.startswith("-")]
+    if (root / "logged_out").exists():
+        print(LOGGED_OUT.format("gcloud." + ".".join(words[:4])), file=sys.stderr)
+        return 1
+    if words[:2] == ["auth", "print-access-token"]:
+        print("ya29.fake-token")
+        return 0
     if words[:3] == ["compute", "tpus", "queued-resources"]:
         verbs = {"create": _create, "describe": _describe, "delete": _delete, "ssh": _qr_ssh}
         return verbs[words[3]](root, words[4], argv)
     if words[:4] == ["compute", "tpus", "tpu-vm", "ssh"]:
         return _tpu_vm_ssh(root, words[4], argv)
-    if words[:3] == ["container", "clusters", "get-credentials"]:
-        return 0
+    if words[:3] == ["compute", "tpus", "tpu-vm"] and words[4:5] == ["describe"]:
+        return _zone_offers(words[3], words[5])
+    if words[:2] == ["container", "clusters"]:
+        return _clusters(root, words[2], argv)
     print(f"fake gcloud: unsupported: {argv}", file=sys.stderr)
     return 2
+
+
+def _zone_offers(kind: str, name: str) -> int:
+    """`tpu-vm accelerator-types describe` / `tpu-vm versions describe`: the zone's own list."""
+    if name in (HOSTS if kind == "accelerator-types" else RUNTIMES):
+        print(name)
+        return 0
+    print(f"ERROR: (gcloud.compute.tpus.tpu-vm.{kind}.describe) NOT_FOUND: Resource '{name}' was not found",
+          file=sys.stderr)
+    return 1
+
+
+def _clusters(root: Path, verb: str, argv: list[str]) -> int:
+    """`container clusters list --filter=name=C` answers its location; `get-credentials C --zone/--location`
+    finds it only at that location (a regional cluster asked for at a zone: 404, as the GKE API answers)."""
+    clusters = json.loads((root / "clusters.json").read_text())
+    if verb == "list":
+        name = (_flag(argv, "filter") or "").removeprefix("name=")
+        print("\n".join(loc for c, loc in clusters.items() if c == name))
+        return 0
+    name = [a for a in argv if not a.startswith("-")][3]
+    asked = _flag(argv, "location") or _flag(argv, "zone") or _flag(argv, "region")
+    if clusters.get(name) != asked:
+        print(f"ERROR: (gcloud.container.clusters.get-credentials) ResponseError: code=404, message=Not found:"
+              f" projects/{_flag(argv, 'project')}/locations/{asked}/clusters/{name}.", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _create(root: Path, name: str, argv: list[str]) -> int:
@@ -294,6 +356,10 @@ def _run_batch(root: Path, name: str, qr: dict, targets: list[tuple[int, int]], 
     codes = [_relay(p, f"{s}/{w}") for p, (s, w) in zip(procs, targets)]
     for (s, w), code in zip(targets, codes):
         _record(root, node=name, worker=w + s * qr["hosts"], command=command, slice=qr["created"], status=code)
+        if code and len(targets) > 1:  # gcloud names each failed worker (its index on its node), then exits with
+            # the first failure's status (tpu_vm/ssh.py AttemptRunWithRetries, WaitForBatchCompletion)
+            print(f"##### Command execution on worker {w} failed with exit status {255 if code < 0 else code}."
+                  " Continuing.", file=sys.stderr, flush=True)
     return next((255 if c < 0 else c for c in codes if c != 0), 0)  # ssh: 255 when the connection is lost
 
 
@@ -336,154 +402,21 @@ def serve_metadata(port: int, answers: dict[str, str]) -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
 
 
-# ---- the VM image's python3 ------------------------------------------------------------------------
+def record_call(root: Path, tool: str, argv: list[str]) -> None:
+    with open(root / "calls.jsonl", "a") as f:
+        f.write(json.dumps({"argv": [tool, *argv], "time": time.time()}) + "\n")
 
 
-def python3(root: Path, argv: list[str]) -> int:
-    if argv[:2] == ["-m", "venv"]:
-        venv = Path(argv[-1]) / "bin"
-        venv.mkdir(parents=True, exist_ok=True)
-        _script(venv / "python", f'exec {sys.executable} "$@"\n')
-        _script(venv / "pip", f'echo "$@" >> {os.environ.get("FAKE_CLOUD_ROOT", ".")}/pip.log\n')
-        return 0
-    os.execv(sys.executable, [sys.executable, *argv])
-
-
-# ---- GKE and Slurm: a submitted job's hosts run in the background; its state is kept in jobs.json ------
-
-
-def _jobs(root: Path) -> dict:
-    path = root / "jobs.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _set_job(root: Path, key: str, value: str) -> None:
-    with _locked(root):  # the same lock as the slices'
-        jobs = _jobs(root)
-        jobs[key] = value
-        (root / "jobs.json").write_text(json.dumps(jobs))
-
-
-def _submit(root: Path, spec: dict) -> None:
-    """Runs a job's hosts in a detached process that records the job's end state."""
-    _set_job(root, spec["key"], "RUNNING" if spec["kind"] == "slurm" else "")
-    env = {**os.environ, "FAKE_CLOUD_DIR": str(root), "FAKE_CLOUD_ROOT": str(root)}
-    subprocess.Popen([sys.executable, __file__, "_job", json.dumps(spec)], env=env, start_new_session=True,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def _job(root: Path, spec: dict) -> int:
-    """GKE: a pod per host of every slice, with what GKE gives a TPU pod. Slurm: the batch script on the first
-    node, whose srun starts the tasks."""
-    slurm, hosts, slices = spec["kind"] == "slurm", spec["hosts"], spec.get("slices", 1)
-    port = spec.get("port") or _free_port()
-    procs, run = [], root / "pods" / f"{spec['key']}-{time.time_ns()}"
-    for i in [0] if slurm else range(hosts * slices):
-        home = run / f"host-{i}"
-        home.mkdir(parents=True)
-        if slurm:
-            env = _host_env(root, home, spec["chips"], SLURM_JOB_ID=spec["key"], SLURM_NNODES=str(hosts),
-                            SLURM_JOB_NODELIST=",".join(["localhost"] * hosts), SLURM_SUBMIT_DIR=str(home))
-        else:  # a TPU pod with the node's network: its metadata server too (JAX reads tpu-env there)
-            multislice = {"MEGASCALE_COORDINATOR_ADDRESS": "127.0.0.1", "MEGASCALE_NUM_SLICES": str(slices),
-                          "MEGASCALE_SLICE_ID": str(i // hosts)} if slices > 1 else {}
-            metadata = _free_port()
-            serve_metadata(metadata, {"tpu-env": ""})
-            env = _host_env(root, home, spec["chips"], TPU_WORKER_ID=str(i % hosts), JAX_FORCE_TPU_INIT="1",
-                            TPU_WORKER_HOSTNAMES=",".join(["127.0.0.1"] * hosts), JAX_COORDINATOR_PORT=str(port),
-                            GCE_METADATA_IP=f"127.0.0.1:{metadata}", **multislice)
-            _record(root, node=spec["key"], worker=i, command=spec["command"], slice=port)
-        with open(home / "out.log", "w") as log:
-            procs.append(subprocess.Popen(["bash", "-c", spec["command"]], cwd=home, env=env, stdout=log,
-                                          stderr=subprocess.STDOUT))
-    ok = all(p.wait() == 0 for p in procs)
-    _set_job(root, spec["key"], ("COMPLETED" if ok else "FAILED") if slurm else ("Completed" if ok else "Failed"))
-    return 0
-
-
-def srun(root: Path, argv: list[str]) -> int:
-    """One task per node of the job, as Slurm sets a task's variables, sharing the batch script's directory."""
-    n = int(os.environ["SLURM_NNODES"])
-    command = argv[argv.index("-c") + 1]
-    procs = []
-    for i in range(n):
-        env = {**os.environ, "SLURM_PROCID": str(i), "SLURM_NTASKS": str(n), "SLURM_LOCALID": "0",
-               "SLURM_NODEID": str(i), "SLURM_STEP_NODELIST": os.environ["SLURM_JOB_NODELIST"],
-               "SLURM_STEP_NUM_NODES": str(n), "SLURM_STEP_NUM_TASKS": str(n), "FAKE_GPU_NODE": "1"}
-        _record(root, node="srun", worker=i, command=command, slice=os.environ["SLURM_JOB_ID"])
-        procs.append(subprocess.Popen(["bash", "-c", command], env=env))
-    return max(p.wait() for p in procs)
-
-
-def gke(root: Path, tool: str, argv: list[str]) -> int:
-    jobs = _jobs(root)
-    if tool == "kubectl" and argv[:2] == ["get", "jobset"]:
-        if _transient_failure(root, "kubectl"):
-            return 1
-        if argv[2] not in jobs:
-            print(f'Error from server (NotFound): jobsets.jobset.x-k8s.io "{argv[2]}" not found', file=sys.stderr)
-            return 1
-        print(jobs[argv[2]], end="")
-    elif tool == "kubectl" and argv[:1] == ["apply"]:
-        import yaml
-
-        js = yaml.safe_load(Path(argv[-1]).read_text())
-        rjob = js["spec"]["replicatedJobs"][0]
-        pod = rjob["template"]["spec"]["template"]["spec"]
-        container = pod["containers"][0]
-        assert pod.get("hostNetwork") is True  # a TPU pod: JAX's coordinator and the TPU runtime on the node
-        _submit(root, {"key": js["metadata"]["name"], "kind": "gke", "hosts": rjob["template"]["spec"]["parallelism"],
-                       "slices": rjob["replicas"], "chips": container["resources"]["limits"]["google.com/tpu"],
-                       "command": container["command"][-1]})
-    elif tool == "xpk" and argv[:2] == ["workload", "create"]:
-        kind = _flag(argv, "tpu-type")
-        _submit(root, {"key": _flag(argv, "workload"), "kind": "gke", "hosts": HOSTS[kind],
-                       "slices": int(_flag(argv, "num-slices", "1")), "chips": CHIPS_PER_HOST[kind],
-                       "command": _flag(argv, "command")})
-    else:  # xpk workload delete, kubectl delete jobset: forget the job
-        jobs.pop(_flag(argv, "workload") or argv[2], None)
-        (root / "jobs.json").write_text(json.dumps(jobs))
-    return 0
-
-
-def slurm(root: Path, tool: str, argv: list[str]) -> int:
-    jobs = _jobs(root)
-    if tool == "sbatch":
-        script = Path(argv[-1]).read_text()
-        port = _free_port(SLURM_PORTS)  # the job's id gives JAX's port: a free one
-        job_id = str(port - SLURM_PORTS + 4096 * (1 + len(jobs)))
-        nodes = int(re.search(r"--nodes=(\d+)", script).group(1))
-        gpus = int(re.search(r"--gpus-per-node=(\d+)", script).group(1))
-        _submit(root, {"key": job_id, "kind": "slurm", "hosts": nodes, "chips": gpus, "command": script,
-                       "port": port})
-        print(f"{job_id};fake-cluster")  # --parsable: ID[;cluster]
-    elif tool in ("squeue", "sacct"):
-        state = jobs.get(argv[argv.index("-j") + 1], "")
-        print(state if tool == "sacct" or state in ("RUNNING", "PENDING") else "")
-    elif tool == "scontrol":  # show hostnames NODELIST: every node is this machine
-        print("\n".join(["localhost"] * int(os.environ.get("SLURM_NNODES", "1"))))
-    elif tool == "scancel":
-        _set_job(root, argv[0], "CANCELLED")
-        _kill_matching(f"SLURM_JOB_ID={argv[0]}")
-    return 0
+def cloud_root() -> Path:
+    return Path(os.environ.get("FAKE_CLOUD_DIR") or os.environ.get("FAKE_CLOUD_ROOT", "."))
 
 
 def main() -> int:
     tool, argv = sys.argv[1], sys.argv[2:]
-    root = Path(os.environ.get("FAKE_CLOUD_DIR") or os.environ.get("FAKE_CLOUD_ROOT", "."))
-    if tool == "python3":
-        return python3(root, argv)
-    if tool == "_job":
-        return _job(root, json.loads(argv[0]))
     if tool == "_metadata":
         metadata_server(json.loads(argv[0]))
-    with open(root / "calls.jsonl", "a") as f:
-        f.write(json.dumps({"argv": [tool, *argv], "time": time.time()}) + "\n")
-    if tool == "gcloud":
-        return gcloud(root, argv)
-    if tool == "srun":
-        return srun(root, argv)
-    return gke(root, tool, argv) if tool in ("xpk", "kubectl") else slurm(root, tool, argv)
+    record_call(cloud_root(), tool, argv)
+    return gcloud(cloud_root(), argv)
 
 
 def use(cloud: FakeCloud, monkeypatch) -> FakeCloud:

@@ -6,13 +6,16 @@ target's state answers read, and the launcher's printed plan in the docs."""
 import json
 import os
 import shlex
+import time
 
 import pytest
 
 from support.cli import ROOT, run_main
 from support.cloud import use
 from tools.pod.__main__ import main as pod_main
-from tools.pod.targets import DONE, FAILED, GONE, PENDING, RUNNING, UNKNOWN, state_of
+from tools.pod.host import attempt_end, resumable
+from tools.pod.shell import describe
+from tools.pod.targets import DONE, FAILED, GONE, PENDING, PREEMPTED, RUNNING, UNKNOWN, job_state_of, state_of
 from tools.pod.topology import parse_topology
 from trainer.telemetry import goodput
 
@@ -94,6 +97,7 @@ CASES = {
     "xpk-multislice": ["--target", "xpk", "--topology", "v5e-256", "--num_slices", "4", "--cluster", "c", *WHERE],
     "jobset": ["--target", "jobset", "--topology", "v4-32", "--retries", "3"],
     "jobset-multislice": ["--target", "jobset", "--topology", "v6e-64", "--num_slices", "2"],
+    "jobset-cluster": ["--target", "jobset", "--topology", "v4-32", "--cluster", "my-cluster", *WHERE],
     "slurm": ["--target", "slurm", "--topology", "gpu-32", "--run_dir", "/shared/runs/gpt2", "--shared_fs"],
 }
 
@@ -145,13 +149,50 @@ def test_gke_follows_jobset_and_xpk_with_one_restart_owner():
 
 
 def test_slurm_lets_jax_find_the_job_on_every_gpu_and_follows_it_by_id():
+    """JAX's Slurm detection on every GPU; the node asked for as every site grants it (--gres, not the --gpu*
+    options that need select/cons_tres; the whole node, its memory, every CPU for the task); the job followed
+    by its id, and by its own end record where sacct is disabled."""
     script = golden("slurm")
     assert "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7\n" in script  # not JAX's one GPU per task
-    assert "JAX_COORDINATOR_ADDRESS" not in script and "tools.pod.host" not in script  # JAX's Slurm detection
+    assert "JAX_COORDINATOR_ADDRESS" not in script and "tools.pod.host start" not in script  # JAX's detection
+    for line in ("#SBATCH --gres=gpu:8\n", "#SBATCH --exclusive\n", "#SBATCH --mem=0\n",
+                 "end=pod-files/gpt2-pod.end.\"$SLURM_JOB_ID\"\ntrap 'echo \"exit $?\" > \"$end\"' EXIT\n",
+                 'srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" bash -c \'cd gpt2-nnx && exec'
+                 ' .venv/bin/python -m tools.pod.host train --run_dir=/shared/runs/gpt2 -- .venv/bin/python train.py'):
+        assert line in script, line
+    assert "--gpus" not in script and "sacct" not in script
     ids = "pod-files/gpt2-pod.jobid"
     assert f"id=$(sbatch --parsable pod-files/gpt2-pod.sbatch) && echo \"${{id%%;*}}\" > {ids}" in script
-    assert f"squeue -h -j $(cat {ids})" in script and f"scancel $(cat {ids})" in script
+    assert f"id=$(cat {ids}) && {{ squeue -h --jobs=\"$id\" --states=all -o %T 2>&1; cat pod-files/gpt2-pod.end." \
+           f"\"$id\" 2>/dev/null; }}" in script and f"scancel $(cat {ids})" in script
     assert "squeue -h -n" not in script and "--name=" not in script  # a job's name is not its own
+
+
+def test_every_host_installs_on_uv_python_and_each_target_says_what_a_failed_host_does():
+    """The image's python3 (3.10 on the TPU VM images, perhaps without venv) is never the hosts' Python: uv's own
+    3.11, uv from pip's user site or its pinned installer. The dry run says so, and what a failed host leads to."""
+    for case in CASES:
+        text = golden(case)
+        assert "python3 -m venv" not in text and " venv -q --allow-existing --python 3.11 .venv" in text, case
+        assert "python3 -m pip install -q --user uv==0.12.5 || curl -LsSf https://astral.sh/uv/0.12.5/install.sh" \
+               in text and "uv's own Python 3.11 (not the image's python3)" in text, case
+        assert "# a failed host: " in text and "# before anything is created, each a one-line refusal:" in text
+        assert ("exec .venv/bin/python -m tools.pod.host train" in text) == (not case.startswith("tpu-vm")), case
+    assert "run again on every host, 3 times in all (10 s, 20 s apart), then the launch ends in one line that" \
+           " prints the delete command" in golden("tpu-vm")
+    assert "JobSet restarts every pod, up to 5 times (failurePolicy.maxRestarts), a saved preemption's exit 42" \
+           in golden("xpk")
+
+
+def test_xpk_finds_its_cluster_itself_and_jobset_asks_its_location():
+    """xpk's clusters are regional and xpk finds their location and credentials itself (commands/common.py): no
+    get-credentials before `xpk workload create`; jobset's credentials at the cluster's location, which the launch
+    looks up as xpk does before anything is created (the dry run shows the region)."""
+    assert "get-credentials" not in golden("xpk") and "--skip-validation --command=" in golden("xpk")
+    assert "$ gcloud container clusters get-credentials my-cluster --location=us-west4 --project=my-project" in \
+        golden("jobset-cluster")
+    assert "gcloud container clusters list --project=my-project --filter=name=my-cluster --format='value(location)'" \
+        in golden("xpk")
 
 
 @pytest.mark.parametrize("target, rc, out, err, state", [
@@ -167,13 +208,45 @@ def test_slurm_lets_jax_find_the_job_on_every_gpu_and_follows_it_by_id():
     ("jobset", 1, "", 'Error from server (NotFound): jobsets.jobset.x-k8s.io "pod" not found', GONE),
     ("xpk", 1, "", "Unable to connect to the server: dial tcp 10.0.0.1:443: i/o timeout", UNKNOWN),
     ("slurm", 0, "PENDING\n", "", PENDING), ("slurm", 0, "COMPLETED\n", "", DONE),
-    ("slurm", 0, "CANCELLED by 1000\n", "", FAILED), ("slurm", 0, "NODE_FAIL\n", "", FAILED),
-    ("slurm", 1, "", "slurm_load_jobs error: Socket timed out on send/recv operation", UNKNOWN),
+    ("slurm", 0, "CANCELLED\n", "", FAILED), ("slurm", 0, "NODE_FAIL\n", "", FAILED),
+    ("slurm", 0, "slurm_load_jobs error: Socket timed out on send/recv operation\n", "", UNKNOWN),
+    # the batch script's own end record decides; a job slurmctld forgot without one is gone
+    ("slurm", 0, "slurm_load_jobs error: Invalid job id specified\nexit 0\n", "", DONE),
+    ("slurm", 0, "FAILED\nexit 42\n", "", PREEMPTED), ("slurm", 0, "exit 2\n", "", FAILED),
+    ("slurm", 0, "slurm_load_jobs error: Invalid job id specified\n", "", GONE),
+    ("slurm", 1, "", "cat: pod-files/pod.jobid: No such file or directory", UNKNOWN),
 ])
 def test_each_target_state_reads_as_the_real_tool_answers(target, rc, out, err, state):
     """An explicit answer that the slice or job is gone is acted on; a failed state command (an API or network
     error) says nothing about the job."""
     assert state_of(target, rc, out, err) == state
+
+
+def test_a_tpu_vm_host_record_of_a_saved_preemption_reads_as_one():
+    assert [job_state_of(0, f"{w}\n") for w in ("running", "0", "42", "1", "lost", "none")] == \
+        [RUNNING, DONE, PREEMPTED, FAILED, FAILED, FAILED]
+    assert job_state_of(255, "") == UNKNOWN
+
+
+def test_a_saved_preemption_is_42_on_the_host_that_wrote_it(tmp_path):
+    """`resumable`: exit 0 with this attempt's "preempted" end is 42; a record older than the attempt (another
+    host's process ending first) or a finished one keeps 0; a signal N is 128 + N."""
+    since = time.time()
+    events = tmp_path / "events.jsonl"
+    events.write_text(json.dumps({"event": "attempt_end", "time": since - 5, "how": "preempted"}) + "\n")
+    assert resumable(0, str(tmp_path), since) == 0 and attempt_end(str(tmp_path), 0) == "preempted"
+    with open(events, "a") as f:
+        f.write(json.dumps({"event": "attempt_end", "time": since + 1, "how": "preempted"}) + "\n{torn")
+    assert resumable(0, str(tmp_path), since) == 42 and resumable(3, str(tmp_path), since) == 3
+    assert resumable(-15, str(tmp_path), since) == 143 and resumable(0, str(tmp_path / "none"), since) == 0
+
+
+def test_a_failed_ssh_step_names_the_workers_gcloud_names():
+    tail = ["SSH: Attempting to connect to worker 0...", "[0/1] error: Failed to fetch", "[0/1]   Caused by: 503",
+            "##### Command execution on worker 1 failed with exit status 2. Continuing.",
+            "##### Command execution on worker 3 failed with exit status 2. Continuing."]
+    assert describe(2, tail) == "workers 1, 3 exited 2: [0/1]   Caused by: 503"
+    assert describe(255, []) == "exit status 255"
 
 
 def test_the_docs_show_what_the_launcher_prints(monkeypatch):
@@ -185,7 +258,7 @@ def test_the_docs_show_what_the_launcher_prints(monkeypatch):
     shown = page.split("```text\n", 1)[1].split("```", 1)[0]
     code, out, err = run_main(pod_main, *command.split()[3:])
     assert code == 0, err
-    out = re.sub(r"[0-9a-f]{40}", "<commit>", re.sub(r"install [0-9a-f]{12}", "install <commit>", out))
+    out = re.sub(r"\b[0-9a-f]{12}\b", "<commit>", re.sub(r"[0-9a-f]{40}", "<commit>", out))
     assert out == shown
 
 

@@ -5,6 +5,7 @@
     python -m tools.pod status --name gpt2-v5e-256 --zone us-west4-a --project my-project
     python -m tools.pod delete --name gpt2-v5e-256 --zone us-west4-a --project my-project
 
-`launch` compiles the train call for the topology first (planning/aot.py) and refuses one that does not fit;
-`--dry_run` prints every command and file instead of running them. docs/pods.md has the walk-through.
+`launch` checks the tools, the code the hosts fetch and where the job goes (tools/pod/preflight.py), compiles the
+train call for the topology (planning/aot.py) and refuses one that does not fit, before anything is created;
+`--dry_run` prints every check, command and file instead of running them. docs/pods.md has the walk-through.
 """

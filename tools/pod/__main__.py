@@ -5,9 +5,11 @@ from __future__ import annotations
 import sys
 
 from errors import ConfigError, one_line_errors
-from tools.pod.cli import job_of, parser, print_plan, where
+from tools.pod.cli import ROOT, job_of, parser, print_plan, where
 from tools.pod.job import Job
-from tools.pod.keepalive import Keeper, delete_hint, shell
+from tools.pod.keepalive import Keeper, delete_hint
+from tools.pod.preflight import preflight
+from tools.pod.shell import shell
 from tools.pod.targets import delete_commands, state_command
 
 
@@ -23,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
         print_plan(job)
         return 0
     print(f"{job.slice.describe()}" + (f" x {job.num_slices} slices" if job.num_slices > 1 else ""), flush=True)
+    # the tools, the code, the cluster, the zone: before the compile, before anything exists (--attach: the tools)
+    job = preflight(job, ROOT, tools_only=args.attach)
     if not args.skip_aot and not args.attach and job.slice.is_tpu:
         check_fits(job)
     return keep(job, attach=args.attach)
@@ -48,7 +52,8 @@ def keep(job: Job, attach: bool = False) -> int:
     keeper.write_files()
     try:
         if not attach:
-            keeper.bring_up()
+            if (failed := keeper.launch()) != 0:
+                return failed
             if job.where.target == "tpu-vm":
                 print(f"{job.name}: training on every host, detached from this launcher: stopping it (Ctrl-C, a"
                       f" closed laptop) leaves it running. Each host's output: {job.run_dir}/logs/console.*.log",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from errors import ConfigError, fail, warn
 from tools.pod.job import Job, Where
+from tools.pod.preflight import checks, hosts_url, region_of
 from tools.pod.targets import TARGETS, plan
 from tools.pod.topology import parse_topology
 
@@ -50,6 +51,13 @@ def parser() -> Parser:
     a("--runtime_version", default="", help="tpu-vm: the TPU VM image (default: the generation's base image)")
     a("--image", default="python:3.11", help="xpk, jobset: the container image (python3 and git)")
     a("--gpus_per_node", type=int, default=8, help="slurm: GPUs per node")
+    a("--tries", type=int, default=3, help="runs of a failed install or start on the hosts, in all")
+    a("--backoff_seconds", type=float, default=10.0, help="the wait before a failed step's second try (doubled"
+      " before each next)")
+    a("--blind_seconds", type=float, default=3600.0, help="the job's state unreadable this long ends the launcher"
+      " (a logged-out gcloud: two polls)")
+    a("--delete_on_failure", action="store_true", help="a launch that fails deletes what it created (default:"
+      " prints the delete command)")
     a("--skip_aot", action="store_true", help="do not compile for the topology first")
     a("--dry_run", action="store_true", help="print the commands and files, run nothing")
     a("--attach", action="store_true", help="poll (and relaunch) a job an earlier launch started")
@@ -80,9 +88,11 @@ def job_of(args) -> Job:
                           " Cloud and Kubernetes names must")
     s = parse_topology(args.topology, w.target, args.gpus_per_node)
     check_slices(s, args.num_slices, w.target)
-    if args.retries < 0 or not args.poll_seconds > 0:
-        raise ConfigError(f"--retries {args.retries} / --poll_seconds {args.poll_seconds:g}: give a count >= 0 and"
-                          " a time > 0")
+    if args.retries < 0 or args.tries < 1 or not min(args.poll_seconds, args.blind_seconds) > 0 \
+            or args.backoff_seconds < 0:
+        raise ConfigError(f"--retries {args.retries} / --tries {args.tries} / --poll_seconds {args.poll_seconds:g} /"
+                          f" --blind_seconds {args.blind_seconds:g} / --backoff_seconds {args.backoff_seconds:g}:"
+                          " give counts >= 0 (--tries >= 1) and times > 0")
     check_run_dir(args.run_dir, s.hosts * args.num_slices, args.shared_fs)
     if any(a == "--run_dir" or a.startswith("--run_dir=") for a in train_args):
         raise ConfigError("give --run_dir to the launcher (before --), not to train.py after --")
@@ -90,7 +100,9 @@ def job_of(args) -> Job:
     return Job(where=w, slice=s, num_slices=args.num_slices, run_dir=args.run_dir,
                repo=args.repo or origin(), commit=args.commit or head_commit(), train_args=train_args,
                image=args.image, runtime_version=args.runtime_version, spot=args.spot, retries=args.retries,
-               poll_seconds=args.poll_seconds)
+               poll_seconds=args.poll_seconds, tries=args.tries, backoff_seconds=args.backoff_seconds,
+               blind_seconds=args.blind_seconds, delete_on_failure=args.delete_on_failure,
+               cluster_location=region_of(w.zone))  # xpk's dry run's guess too; tools.pod.preflight asks
 
 
 def check_slices(s, num_slices: int, target: str) -> None:
@@ -149,10 +161,14 @@ def head_commit() -> str:
 
 
 def origin() -> str:
+    """This checkout's origin as the hosts can fetch it: https for an ssh remote (they have no key for it)."""
     url = git("remote", "get-url", "origin")
     if not url:
         raise ConfigError(f"{ROOT} has no `origin` remote: give --repo (a URL every host can git clone)")
-    return url
+    if hosts_url(url) != url:
+        print(f"note: the hosts clone {hosts_url(url)} (origin is {url}: they have no ssh key; --repo to choose)",
+              file=sys.stderr, flush=True)
+    return hosts_url(url)
 
 
 def print_plan(job: Job) -> None:
@@ -162,17 +178,22 @@ def print_plan(job: Job) -> None:
     p = plan(job)
     slices = f" x {job.num_slices} slices" if job.num_slices > 1 else ""
     print(f"# {job.slice.describe()}{slices}; {job.hosts} host(s) run train.py; hosts install {job.commit[:12]}")
-    print(f"# first, unless --skip_aot: python plan.py --topology {job.aot_topology} ...   (does it fit?)"
+    print("# before anything is created, each a one-line refusal:")
+    for check in checks(job):
+        print(f"#   {check}" if check[0] == "(" else f"#   $ {check}")
+    print(f"# then, unless --skip_aot: python plan.py --topology {job.aot_topology} ...   (does it fit?)"
           if job.slice.is_tpu else "# no AOT check: it compiles for TPU topologies only")
+    print(f"# {job.describe_hosts()}")
     for name, text in p.files.items():
         print(f"# file {job.workdir / name}:\n{text}", end="")
     for command in (*p.create, *p.install, *p.start):
         print(f"$ {command}")
+    print(f"# a failed host: {p.on_failure}")
     print(f"# then every {job.poll_seconds:g} s: $ {state_command(job.where)}")
     if job.where.target == "tpu-vm":
         print(f"#   and while it is ACTIVE: $ {job_state_command(job)}")
     owner = (f"relaunched by this launcher up to {job.retries} times" if p.relaunches else
              f"restarted by JobSet up to {job.retries} times (failurePolicy.maxRestarts)")
-    print(f"# a preempted slice or failed training is {owner}" + (f"; before a restart on the same hosts: $ "
-                                                                  f"{p.stop[0]}" if p.stop else ""))
+    print(f"# a preempted slice, a saved preemption (exit 42) or a failed training is {owner}" + (
+        f"; before a restart on the same hosts: $ {p.stop[0]}" if p.stop else ""))
     print(f"# delete: $ {' && '.join(delete_commands(job.where))}")
