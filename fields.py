@@ -8,8 +8,11 @@ with pydantic's `Field`):
 `--help` shows the text with its bound (tyro reads the `Field` as the field's documentation); every config class
 derives from `Checked`, which checks each field's type and bound when the object is made, in one wording for all
 programs: `--train.steps must be an integer >= 1, got 0`. Rules between fields (`train.seq_len` at most
-`model.block_size`) are the class's own `cross_check()`, beside the fields they relate. No JAX here: `python -m
-data.prepare` starts without it.
+`model.block_size`) are the class's own `cross_check()`, beside the fields they relate. A section with variants
+that register themselves (the optimizer, the schedule) is a `Choice`.
+
+This module is on the house's ground floor with errors.py: the model's config, the data's and the training's all
+build on it, and it imports nothing of theirs. No JAX here: `python -m data.prepare` starts without it.
 """
 
 from __future__ import annotations
@@ -116,8 +119,8 @@ class Choice(Checked):
     torchtitan's optimizer factories): the family's base class declares what every variant shares, and a variant is
     one subclass, in one file, that names itself and adds its own fields:
 
-        class Optimizer(Choice, section="optim"): ...          # the family: lr, grad_clip
-        class AdamW(Optimizer, choice="adamw"): ...            # + b1, b2, eps, weight_decay
+        class OptimizerConfig(Choice, section="optim"): ...        # the family: lr, grad_clip (optim/base.py)
+        class AdamWConfig(OptimizerConfig, choice="adamw"): ...    # + b1, b2, eps, weight_decay (optim/adamw.py)
 
     Every class of the family gets the field `name`, the variant's own name by default: config.json records it,
     `configs.from_dict` rebuilds the variant from it, and `--optim.name=muon` on the command line switches the

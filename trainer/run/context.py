@@ -41,8 +41,10 @@ class RunContext:
         return self._train_call[0]
 
     def start_loader(self) -> None:
-        """The loader's workers start now (Grain's start_prefetch; nothing without workers), not at the first
-        call's batches: their start overlaps the compile."""
+        """The loader's workers start now, not at the first call's batches (3.5-6.7 s on a GPU machine, 6 s on
+        this CPU with 4 workers): their start overlaps the compile. Grain's start_prefetch starts the iterators it
+        has; its worker pool (an interleave of one iterator per worker) makes them when asked for its state."""
+        self.train_iter.get_state()
         self.train_iter.start_prefetch()
 
     def next_batches(self, n: int) -> tuple[jax.Array, np.ndarray]:
