@@ -51,7 +51,7 @@ def test_cli_run_leaves_metrics_checkpoints_plot_config_and_sample(k4_run):
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))
     assert set(steps[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "peak_flops",
-                             "skipped"}
+                             "skipped", "streak"}  # what the step reports (the optimizer's: lr, the guard's), then speed
     assert len({r["peak_flops"] for r in steps}) == 1  # one peak for the whole run: MFUs compare
     # the first call (4 steps) compiled and first loaded the program: its speed is unknown, not a wrong number
     assert [r["mfu"] is None for r in steps] == [True] * 4 + [False] * 8

@@ -45,9 +45,11 @@ def test_a_small_fsdp_train_call_hides_part_of_its_collectives():
 
 
 def test_the_estimate_per_step_does_not_depend_on_steps_per_call():
-    """The planner compiles with train.steps_per_call=1: a K-step call's per-step figures are the same, but
-    for the work a call does once (the state's finiteness check reads every parameter and moment): 17 % of
-    this tiny model's HBM traffic per step, 0.6 % of gpt2_124m's on v5e:2x4 (K=1 vs K=10: 256.9 vs 255.2 ms)."""
+    """The planner compiles with train.steps_per_call=1: a K-step call's per-step figures are the same, but for the
+    work a call does once (the state's finiteness check reads every parameter and moment: 17 % of this tiny model's
+    HBM traffic per step) and the work each step of a K-step call adds (the select that drops an inactive step's
+    result, instead of a conditional: 12 % of this tiny model's predicted step, where the state is most of what a
+    step reads; gpt2_124m on v5e:2x4, K=1 vs K=10: 339.3 vs 340.9 ms, 0.5 %). HBM traffic per step, the same."""
     import configs
     from configs.base import Config
     from configs.cli import parse
@@ -58,5 +60,5 @@ def test_the_estimate_per_step_does_not_depend_on_steps_per_call():
                   for k in (1, 3))
     assert three.flops == pytest.approx(one.flops, rel=1e-6)
     assert three.collective_s == pytest.approx(one.collective_s, rel=1e-6)
-    assert 0.75 * one.hbm_s < three.hbm_s < one.hbm_s
-    assert 0.75 * one.predicted_s < three.predicted_s <= one.predicted_s
+    assert 0.75 * one.hbm_s < three.hbm_s < 1.15 * one.hbm_s
+    assert 0.75 * one.predicted_s < three.predicted_s <= 1.15 * one.predicted_s

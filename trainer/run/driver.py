@@ -36,7 +36,7 @@ from trainer.storage.checkpoints import Checkpoints
 from trainer.storage.compile_cache import use_compile_cache
 from trainer.storage.run_dir import RunDir, open_run_dir
 from trainer.telemetry import goodput
-from trainer.telemetry.library_logs import library_logs_to
+from trainer.telemetry.library_logs import keep_run_log, library_logs_to
 from trainer.telemetry.metrics import MetricsLogger, resolve_wandb_mode
 from trainer.telemetry.timeline import OrbaxSaveTimes, Timeline, open_timeline
 
@@ -96,7 +96,8 @@ def _run(run: RunContext) -> None:
     logger, meta = start_up(run, restored, wandb_mode)
     try:
         with Preemption() as preemption:
-            run.timeline.commit()  # the run goes ahead: this attempt's record goes to events.jsonl
+            run.timeline.commit()  # the run goes ahead: this attempt's record goes to events.jsonl,
+            keep_run_log()  # and its lines to its log
             state = run_to_stop(run, restored.state, preemption, logger, meta)
         finished = int(state["step"]) >= run.cfg.train.steps
         if finished and run.cfg.train.sample_tokens:

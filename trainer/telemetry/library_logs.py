@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import logging.handlers
 import os
 import sys
 import tempfile
@@ -48,7 +49,12 @@ def library_logs_to(directory) -> Iterator[None]:
     for h in saved[0]:
         root.removeHandler(h)
     root.addHandler(handler)
-    RUN_LOG.addHandler(handler)  # the run's own lines beside the libraries' (errors.py)
+    # the run's own lines beside the libraries' (errors.py), held back until the run goes ahead (`keep_run_log`): a
+    # start refused before any work, or a finished run started again, leaves the run directory as it was
+    global _run_lines
+    _run_lines = logging.handlers.MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1, target=handler,
+                                                flushOnClose=False)
+    RUN_LOG.addHandler(_run_lines)
     absl_handler.setLevel(logging.CRITICAL + 1)  # absl's own stderr handler
     logging.raiseExceptions = False  # a full disk must not print "--- Logging error ---" blocks
     sys.unraisablehook = _unraisable_to_log
@@ -56,7 +62,7 @@ def library_logs_to(directory) -> Iterator[None]:
     try:
         yield
     except BaseException as e:
-        RUN_LOG.error(first_line(e))  # what the run ends with, in its log too (the console gets it once, later)
+        RUN_LOG.error(first_line(e))  # how the run ended, in its log too (the console gets it once, later)
         # Failing: background threads (Orbax's writers) may still log their side of it; they must not reach
         # the console either, so the console handlers stay detached.
         root.addHandler(logging.NullHandler())
@@ -71,13 +77,24 @@ def library_logs_to(directory) -> Iterator[None]:
         logging.captureWarnings(False)
     finally:
         root.removeHandler(handler)
-        RUN_LOG.removeHandler(handler)
+        RUN_LOG.removeHandler(_run_lines)
+        _run_lines.close()
         with contextlib.suppress(OSError):
             handler.close()
         if local is not None:
             _upload_log(local, directory / name, quiet=failing)
         if getattr(handler, "moved", None) and not failing:  # failing: the error is the one line to print
             warn(f"{handler.moved} {handler.elsewhere}")
+
+
+_run_lines: logging.handlers.MemoryHandler | None = None
+
+
+def keep_run_log() -> None:
+    """The run goes ahead: its lines so far, and from now on every one, go to its log."""
+    if _run_lines is not None:
+        _run_lines.capacity = 0  # each record flushes
+        _run_lines.flush()
 
 
 class _LogFile(logging.FileHandler):
