@@ -23,10 +23,11 @@ class PlanConfig(Config):
         "compile the preset's candidate layouts, micro-batches, remat policies, scanned/unrolled layers and"
         " attention kernels, and rank them by predicted step time (instead of compiling the run as"
         " configured)")] = False
-    # about 6 compiles of gpt2_124m on a busy 2-core machine
+    # 10 minutes: what a first plan is worth waiting for; 3-5 compiles of gpt2_124m on a 2-core machine. Compiles
+    # are kept, so the same command run again goes on from where the budget stopped it
     budget: Annotated[float, Field(
-        "with --search, stop starting compiles after this many seconds (a compile under way finishes)",
-        gt=0)] = 1800.0
+        "with --search, stop starting compiles after this many seconds (a compile under way finishes; a re-run"
+        " reads the compiles made back and goes on)", gt=0)] = 600.0
     verbose: Annotated[bool, Field(
         "also print XLA's and libtpu's own figures for the compiled program (its FLOP count, libtpu's cost"
         " model)")] = False

@@ -17,6 +17,7 @@ owns that number (reading, setting and restoring it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
@@ -28,6 +29,7 @@ from absl import flags
 from jax.sharding import NamedSharding
 
 from data.format import META, TOKEN_DTYPE
+from data.orphans import end_with_parent
 from data.tokenizer import RANKS_SHA256
 from errors import DataError
 
@@ -181,7 +183,9 @@ def make_dataset(
     if cfg.num_workers > 0:
         if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags; we have no absl main
             flags.FLAGS.mark_as_parsed()
-        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers))
+        # each worker ends with this process, even when it is killed (data/orphans.py)
+        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers),
+                            worker_init_fn=functools.partial(end_with_parent, os.getpid()))
     return it
 
 

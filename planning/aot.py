@@ -9,9 +9,12 @@ compiled program (planning/step_time.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
+import math
 import os
 import re
+import time
 
 import jax
 from jax.experimental import topologies
@@ -19,9 +22,10 @@ from jax.sharding import Mesh
 
 from configs.base import Config
 from errors import ConfigError, first_line
+from planning import compile_time
 from planning.aot_report import AotReport, compile_line
 from planning.chips import CHIPS, Chip
-from planning.compile_store import CompiledProgram, compile_lowered
+from planning.compile_store import CompiledProgram, compile_lowered, stored_path
 from planning.step_time import estimate_hlo, torus
 from trainer import libtpu_env
 from trainer.program.mesh import build_mesh
@@ -57,12 +61,28 @@ def topology_devices(topology: str):
     try:
         topo = topologies.get_topology_desc(
             platform="tpu", topology_name=name, chip_config_name=spec.chip_config,
-            chips_per_host_bounds=spec.host, num_slices=slices,
+            chips_per_host_bounds=host_bounds(name, spec.host), num_slices=slices,
         )
     except Exception as e:  # libtpu missing, or a name it does not know
         hint = ("" if importlib.util.find_spec("libtpu") else "; install the `tpu` extra (pip install -e '.[tpu]')")
         raise ConfigError(f"--topology {topology}: cannot describe this topology ({first_line(e)}){hint}") from None
     return topo.devices
+
+
+def host_bounds(name: str, host: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The chips one host holds, as libtpu's `chips_per_host_bounds` for the slice `name` (v5e:2x4): the
+    generation's host (`host`, 2x2x1) cut down to what divides each of the slice's dimensions, so that a slice
+    smaller than one host is one host of its own (v5e:1x1 and v6e:1x1 -> 1x1x1, as a v5litepod-1 / v6e-1 is;
+    v5e:1x2 -> 1x2x1); every other slice keeps 2x2x1.
+
+    libtpu refuses bounds that do not divide the slice ("not divisible by ... chips_per_host_bounds"); otherwise
+    they only say which chips share a process. The compiled program does not depend on them: a sharded matmul for
+    v5e:2x4 under 2x2x1, 2x4x1 (a v5litepod-8's one host of 8) and 1x1x1 gave the same mesh and the same HLO."""
+    dims = name.partition(":")[2].split("x")
+    if not all(d.isdigit() for d in dims) or len(dims) > len(host):
+        return host  # not a shape: libtpu's own message names what is wrong with it
+    dims = [int(d) for d in dims] + [1] * (len(host) - len(dims))  # v5e:2x4 is 2x4x1
+    return tuple(math.gcd(d, h) for d, h in zip(dims, host))
 
 
 def for_topology(cfg: Config, topology: str) -> Config:
@@ -73,13 +93,15 @@ def for_topology(cfg: Config, topology: str) -> Config:
     return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, num_slices=slices))
 
 
-def compile_for_topology(cfg: Config, topology: str, preset: str = "") -> AotReport:
+def compile_for_topology(cfg: Config, topology: str, preset: str = "",
+                         lowered: LoweredCall | None = None) -> AotReport:
     """Compiles the K-step train call for `topology` (or reads the same compile back from the store) and reports
-    on it; allocates no arrays. A program the TPU compiler refuses because it cannot fit raises `DoesNotFit` with
-    the compiler's numbers."""
+    on it; allocates no arrays. `lowered`: the call already lowered by `lower_train_call(cfg, topology)`. A program
+    the TPU compiler refuses because it cannot fit raises `DoesNotFit` with the compiler's numbers."""
     _, spec = chip_of(topology)
     slices = parse_topology(topology)[1]
-    program, mesh = compile_train_call(cfg, topology)
+    lowered = lowered or lower_train_call(cfg, topology)
+    program, mesh = lowered.compile(), lowered.mesh
     if program.error is not None:
         raise DoesNotFit(f"--topology {topology}: does not fit in HBM: {program.error}")
     # libtpu's `optimal_seconds` is a sum over the entry computation's ops (a loop body counted once) in which each
@@ -115,13 +137,53 @@ def topology_mesh(cfg: Config, topology: str) -> tuple[Config, Mesh]:
     return cfg, build_mesh(cfg, devices=topology_devices(topology))
 
 
-def compile_train_call(cfg: Config, topology: str) -> tuple[CompiledProgram, Mesh]:
-    """(the train call compiled for `topology` with the flags train.py sets on that TPU, its mesh)."""
+@dataclasses.dataclass(frozen=True)
+class LoweredCall:
+    """The train call lowered for a topology, not yet compiled: whether the store has its compile, and how long
+    compiling it may take here (planning/compile_time.py)."""
+
+    lowered: jax.stages.Lowered
+    mesh: Mesh
+    topology: str
+    options: dict[str, str]  # the libtpu flags of the compile
+    tokens_per_chip: float  # one micro-batch's: with the program's size, what a compile's time grows with
+
+    @functools.cached_property
+    def text(self) -> str:
+        return self.lowered.as_text()
+
+    @property
+    def stored(self) -> bool:
+        return stored_path(self.lowered, self.topology, self.options, self.text).exists()
+
+    def expected(self) -> tuple[float, str]:
+        """(seconds its compile may take here, what that is based on)."""
+        return compile_time.estimate(len(self.text), self.tokens_per_chip)
+
+    def compile(self) -> CompiledProgram:
+        start = time.monotonic()
+        with jax.set_mesh(self.mesh):
+            program = compile_lowered(self.lowered, self.topology, self.options, self.text)
+        if not program.from_store and program.error is None:  # a refusal ends early: no measure of a compile
+            compile_time.record(len(self.text), self.tokens_per_chip, time.monotonic() - start)
+        return program
+
+
+def lower_train_call(cfg: Config, topology: str) -> LoweredCall:
+    """The train call lowered for `topology`, with the flags train.py sets on that TPU."""
     cfg, mesh = topology_mesh(cfg, topology)
     trainer = TrainProgram.build(cfg, mesh)
-    options = libtpu_env.compile_options(chip_of(topology)[0])
+    t = cfg.train
+    tokens = t.batch_size // t.grad_accum * t.seq_len / (mesh.shape["data"] * mesh.shape["fsdp"])
     with jax.set_mesh(mesh):
-        return compile_lowered(trainer.lower(), topology, options), mesh
+        lowered = trainer.lower()
+    return LoweredCall(lowered, mesh, topology, libtpu_env.compile_options(chip_of(topology)[0]), tokens)
+
+
+def compile_train_call(cfg: Config, topology: str) -> tuple[CompiledProgram, Mesh]:
+    """(the train call compiled for `topology` with the flags train.py sets on that TPU, its mesh)."""
+    lowered = lower_train_call(cfg, topology)
+    return lowered.compile(), lowered.mesh
 
 
 class DoesNotFit(ConfigError):
@@ -134,13 +196,14 @@ class DoesNotFit(ConfigError):
 
 
 def run_aot(cfg: Config, topology: str, preset: str = "the config", verbose: bool = False) -> int:
-    """`plan.py --topology T`: says what it compiles, compiles, prints the verdict and the breakdown."""
+    """`plan.py --topology T`: says what it compiles and how long that may take, compiles, prints the verdict and
+    the breakdown."""
     chip_of(topology)  # an unknown generation is one line, before libtpu loads
-    described, mesh = topology_mesh(cfg, topology)
-    t = described.train
-    print(compile_line(preset, topology, dict(mesh.shape), t.batch_size, t.seq_len, t.grad_accum, t.steps_per_call),
-          flush=True)
-    report = compile_for_topology(cfg, topology, preset)
+    lowered = lower_train_call(cfg, topology)
+    t = cfg.train
+    print(compile_line(preset, topology, dict(lowered.mesh.shape), t.batch_size, t.seq_len, t.grad_accum,
+                       t.steps_per_call, None if lowered.stored else lowered.expected()), flush=True)
+    report = compile_for_topology(cfg, topology, preset, lowered)
     print(report.text(verbose))
     if not report.fits:
         raise ConfigError(

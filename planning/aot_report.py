@@ -8,14 +8,16 @@ from __future__ import annotations
 import dataclasses
 
 from planning.compile_store import STORE
+from planning.compile_time import minutes
 from planning.step_report import StepTimeEstimate
 from trainer import libtpu_env
 from trainer.program.memory import program_bytes
 
 
 def compile_line(preset: str, topology: str, mesh_shape: dict[str, int], batch: int, seq_len: int,
-                 grad_accum: int, steps_per_call: int) -> str:
-    """The line printed before a compile: what is compiled for what, with which flags, and how long it may take."""
+                 grad_accum: int, steps_per_call: int, expected: tuple[float, str] | None = None) -> str:
+    """The line printed before a compile: what is compiled for what, with which flags, and how long it may take
+    (`expected`: seconds and their basis, planning/compile_time.py; None: the store has this compile)."""
     chips = 1
     for size in mesh_shape.values():
         chips *= size
@@ -25,11 +27,14 @@ def compile_line(preset: str, topology: str, mesh_shape: dict[str, int], batch: 
     generation = topology.split(":")[0]
     flags = ("LIBTPU_INIT_ARGS as set" if not libtpu_env.compile_options(generation)
              else f"the libtpu flags train.py sets on {generation} (trainer/libtpu_env.py)")
-    return (f"Compiling {preset}'s train call for {topology}: {chips} chips, mesh {mesh}, batch {batch} × {seq_len}"
-            f" tokens ({rows:g} sequences per chip{micro}), {steps_per_call} step{'s' * (steps_per_call > 1)} per call,"
-            f" with {flags}."
-            f" This takes from under a minute (gpt2_124m) to several (gpt2-xl on 256 chips) on a small CPU; {STORE}"
-            " keeps the result, so a re-run answers in seconds.")
+    if expected is None:
+        when = f" Compiled before: {STORE} has it, so this answers in seconds."
+    else:
+        when = (f" The compile should take {minutes(expected[0])} here ({expected[1]}); {STORE} keeps the result, so a"
+                " re-run answers in seconds.")
+    return (f"Compiling {preset}'s train call for {topology}: {chips} chip{'s' * (chips > 1)}, mesh {mesh}, batch"
+            f" {batch} × {seq_len} tokens ({rows:g} sequences per chip{micro}), {steps_per_call}"
+            f" step{'s' * (steps_per_call > 1)} per call, with {flags}.{when}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +71,8 @@ class AotReport:
     def verdict(self) -> list[str]:
         gib = 2**30
         e, what = self.step_time, f"{self.preset} on {self.topology}" if self.preset else self.topology
-        where = f"{self.devices} chips" + (f" in {self.slices} slices" if self.slices > 1 else "")
+        where = (f"{self.devices} chip{'s' * (self.devices > 1)}"
+                 + (f" in {self.slices} slices" if self.slices > 1 else ""))
         fits = (f"yes, {self.total_bytes / gib:.2f} of {self.hbm_bytes / gib:.2f} GiB HBM per chip"
                 f" ({(self.hbm_bytes - self.total_bytes) / gib:.2f} GiB to spare)" if self.fits else
                 f"NO: {self.total_bytes / gib:.2f} GiB per chip, {(self.total_bytes - self.hbm_bytes) / gib:.2f} GiB"
@@ -77,7 +83,8 @@ class AotReport:
             + (f" (read back from {STORE})" if self.from_store else "") + ":",
             f"  fits        {fits}",
             f"  step        {e.predicted_s * 1e3:.1f} ms; {e.expected_range()}",
-            f"  tokens/s    {tokens:,.0f} per chip, {tokens * self.devices:,.0f} on all {self.devices} chips",
+            f"  tokens/s    {tokens:,.0f} per chip"
+            + (f", {tokens * self.devices:,.0f} on all {self.devices} chips" if self.devices > 1 else ""),
         ]
         if e.predicted_mfu:
             lines.append(f"  MFU         {e.predicted_mfu:.1%} counting 6N + attention over every query-key pair"

@@ -18,7 +18,7 @@ class Chip:
     hbm_bytes: int
     hbm_bytes_per_s: float
     ici_link_bytes_per_s: float  # one ICI link, one direction
-    host: tuple[int, int, int]  # chips per host, for jax.experimental.topologies
+    host: tuple[int, int, int]  # a multi-host slice's host, for topologies (cut to a smaller slice: aot.host_bounds)
     # libtpu's chip configuration: "megacore" makes a chip of two TensorCores (v4, v5p) one JAX device, as JAX
     # requires for meshes on those chips (and as a v4-8's 4 chips run); "default" gives one device per core
     chip_config: str = "default"

@@ -43,11 +43,13 @@ class CompiledProgram:
     from_store: bool = False  # read back, not compiled now
 
 
-def compile_lowered(lowered, topology: str, options: dict[str, str] | None = None) -> CompiledProgram:
+def compile_lowered(lowered, topology: str, options: dict[str, str] | None = None,
+                    text: str | None = None) -> CompiledProgram:
     """`lowered.compile(compiler_options=options)`'s results for `topology`, from the store when this exact
-    compile was made before. `options`: the libtpu flags of this compile (trainer/libtpu_env.py)."""
+    compile was made before. `options`: the libtpu flags of this compile (trainer/libtpu_env.py); `text`:
+    `lowered.as_text()` where the caller has it already."""
     options = options or {}
-    path = epath.Path(os.path.expanduser(STORE)) / f"{_key(lowered, topology, options)}.json.gz"
+    path = stored_path(lowered, topology, options, text)
     if path.exists():
         return dataclasses.replace(CompiledProgram(**json.loads(gzip.decompress(path.read_bytes()))), from_store=True)
     result = _compile(lowered, options)
@@ -57,6 +59,12 @@ def compile_lowered(lowered, topology: str, options: dict[str, str] | None = Non
     except OSError:
         pass  # an unwritable store only costs the compile next time
     return result
+
+
+def stored_path(lowered, topology: str, options: dict[str, str], text: str | None = None) -> epath.Path:
+    """Where this compile is kept (it exists once the compile was made)."""
+    key = _key(text if text is not None else lowered.as_text(), topology, options)
+    return epath.Path(os.path.expanduser(STORE)) / f"{key}.json.gz"
 
 
 def _compile(lowered, options: dict[str, str]) -> CompiledProgram:
@@ -75,12 +83,12 @@ def _compile(lowered, options: dict[str, str]) -> CompiledProgram:
                            optimal_seconds=float(cost.get("optimal_seconds", -1.0)))
 
 
-def _key(lowered, topology: str, options: dict[str, str]) -> str:
+def _key(text: str, topology: str, options: dict[str, str]) -> str:
     versions = {name: _version(name) for name in ("jax", "jaxlib", "libtpu")}
     environment = {name: os.environ.get(name, "") for name in _ENVIRONMENT}
     identity = json.dumps({"topology": topology, "versions": versions, "environment": environment,
                            "options": options}, sort_keys=True)
-    return hashlib.sha256(identity.encode() + lowered.as_text().encode()).hexdigest()[:32]
+    return hashlib.sha256(identity.encode() + text.encode()).hexdigest()[:32]
 
 
 def _version(package: str) -> str:

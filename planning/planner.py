@@ -30,7 +30,10 @@ from tqdm.auto import tqdm
 from configs.base import Config
 from configs.plan import PlanConfig
 from errors import ConfigError
-from planning.aot import DoesNotFit, chip_of, compile_for_topology, for_topology, parse_topology, topology_devices
+from planning.aot import (DoesNotFit, LoweredCall, chip_of, compile_for_topology, for_topology, lower_train_call,
+                          parse_topology, topology_devices)
+from planning.compile_store import STORE
+from planning.compile_time import minutes
 
 # The axes in the order the descent visits them, those that change a step's largest costs first (per-micro-batch
 # gradient collectives and overheads, recomputation, the scan's saved activations), so that a search cut short
@@ -147,6 +150,28 @@ def options(axis: str, cfg: Config, devices: int) -> list[dict[str, object]]:
     raise ValueError(axis)
 
 
+def most_compiles(cfg: Config, devices: int) -> int:
+    """The most candidates a search from `cfg` compiles: the preset, then every other value of each axis it visits
+    (the micro-batch's second pass counted in full, as the layout it follows may offer other sizes)."""
+    return 1 + sum(len(options(axis, cfg, devices)) - 1 for axis in AXES)
+
+
+def axes_text(cfg: Config, devices: int) -> str:
+    """The axes the search walks and their values, in the order it visits them."""
+    def values(axis):
+        opts = options(axis, cfg, devices)
+        if axis == "micro_batch":
+            return "train.grad_accum " + ", ".join(str(o["train.grad_accum"]) for o in opts)
+        if axis == "layout":
+            return ", ".join(f"{o['mesh.rules']}" for o in opts)
+        return ", ".join(str(v).lower() for o in opts for v in o.values())
+    seen, parts = set(), []
+    for axis in AXES:
+        parts.append(f"{axis} again" if axis in seen else f"{axis} ({values(axis)})")
+        seen.add(axis)
+    return ", ".join(parts)
+
+
 # ---------------------------------------------------------------------------------------------- the search
 
 @dataclasses.dataclass
@@ -235,25 +260,43 @@ class Search:
             self.stopped_by_budget = True
             return None
         if self.progress is not None:
-            self.progress.set_postfix_str(flags(key)[:80])
+            self.progress.set_postfix_str(self.status(key))
         outcome = self.compile(apply(self.preset, key), key)
         self.outcomes[key] = outcome
         if self.progress is not None:
             self.progress.update(1)
         return outcome
 
+    def status(self, key: Changes) -> str:
+        """The progress bar's: the time that may be left, and the candidate it compiles now."""
+        left = self.time_left_s(self.progress.total)
+        now = f"compiling {flags(key)[:60]}"
+        return now if left is None else f"{minutes(left).replace('about', 'up to about')} left; {now}"
+
+    def time_left_s(self, most: int | None) -> float | None:
+        """Up to how long the rest may take at the pace the compiles so far have kept: the candidates that may be
+        left (of `most`), or the rest of the budget and the compile it lets start, whichever is sooner."""
+        took = [o.compile_s for o in self.outcomes.values() if not o.from_store]
+        if not took or most is None:
+            return None
+        pace = sum(took) / len(took)
+        budget_left = max(self.budget_s - (time.monotonic() - self.started), 0.0)
+        return min(max(most - len(self.outcomes), 0) * pace, budget_left + pace)
+
     def normalize(self, changes: dict) -> Changes:
         """Only the fields that differ from the preset, sorted: the same candidate reached twice is one."""
         return tuple(sorted((k, v) for k, v in changes.items() if self.value(k, {}) != v))
 
 
-def compile_candidate(topology: str) -> Compile:
-    """Compiles a candidate for `topology` (steps_per_call=1) into an Outcome; failures become rows."""
+def compile_candidate(topology: str, first: tuple[Config, LoweredCall] | None = None) -> Compile:
+    """Compiles a candidate for `topology` (steps_per_call=1) into an Outcome; failures become rows. `first`: a
+    candidate's config (steps_per_call=1) already lowered, as `run_plan` lowers the preset to size the search."""
     def compile(cfg: Config, changes: Changes) -> Outcome:
         cfg = apply(cfg, [("train.steps_per_call", 1)])
         start = time.monotonic()
         try:
-            r = compile_for_topology(cfg, topology)
+            lowered = first[1] if first is not None and first[0] == cfg else None
+            r = compile_for_topology(cfg, topology, lowered=lowered)
         except DoesNotFit as e:
             return Outcome(changes, False, e.required_bytes, None, None, "-", time.monotonic() - start,
                            "does not fit: " + str(e).split("does not fit in HBM: ", 1)[-1])
@@ -277,7 +320,9 @@ def plan(cfg: Config, topology: str, *, budget_s: float, compile: Compile | None
     chip_of(topology)  # an unknown generation is one line, before anything compiles
     devices = len(topology_devices(topology)) if compile is None else _devices(topology)
     cfg = _resolved(for_topology(cfg, topology), devices)
-    with tqdm(desc=f"plan {topology}", unit="compile", disable=not show_progress, leave=False) as bar:
+    # no rate or ETA of tqdm's own: the total is an upper bound, and the budget may end the search sooner
+    with tqdm(desc=f"plan {topology}", total=most_compiles(cfg, devices), disable=not show_progress, leave=False,
+              bar_format="{desc}: {n} of at most {total} candidates, {elapsed}{postfix}") as bar:
         search = Search(cfg, devices, compile or compile_candidate(topology), budget_s=budget_s, progress=bar)
         best = search.run()
     return Plan(topology, search.outcomes, best, budget_s, time.monotonic() - search.started,
@@ -362,14 +407,42 @@ def text(p: Plan, hbm_bytes: float) -> str:
     ])
 
 
+def intro(cfg: Config, devices: int, topology: str, budget_s: float, lowered: LoweredCall | None,
+          preset: str = "the config") -> str:
+    """What the search will do and how long it may take, said before it starts: `cfg` is the preset resolved for
+    the topology, `lowered` its train call (one step per call) lowered — its size says how long a compile takes —
+    or None where the preset does not build for the topology."""
+    most = most_compiles(cfg, devices)
+    plan = (f"Planning --config {preset} for {topology} ({devices} chip{'s' * (devices > 1)}): a coordinate descent"
+            f" from the preset, one axis at a time, over {axes_text(cfg, devices)}: at most {most} candidates, each"
+            " compiled once.")
+    keep = (f"{STORE} keeps every compile: a re-run reads them back in seconds and goes on where this one"
+            " stopped.")
+    if lowered is None:
+        return (f"{plan} The preset does not build for {topology}; the progress bar gives the time left once a"
+                f" candidate has compiled. --budget stops it starting compiles after {budget_s:g} s. {keep}")
+    each, basis = lowered.expected()
+    total = min(most * each, budget_s + each)
+    ends = "in under a minute" if total < 45 else f"within {minutes(total)}"
+    stored = "; the preset's own is stored" if lowered.stored else ""
+    return (f"{plan} A compile of the preset's size should take {minutes(each)} here ({basis}{stored}); --budget stops"
+            f" it starting compiles after {budget_s:g} s, so it ends {ends}. {keep}")
+
+
 def run_plan(cfg: PlanConfig, preset: str = "the config") -> int:
-    """`plan.py --config P --topology T --search [--budget SECONDS]`: says what it will do, searches, prints the best
-    candidate's verdict and the table."""
+    """`plan.py --config P --topology T --search [--budget SECONDS]`: says what it will do and how long it may
+    take, searches, prints the best candidate's verdict and the table."""
     _, chip = chip_of(cfg.topology)
-    print(f"Planning --config {preset} for {cfg.topology} ({_devices(cfg.topology)} chips): compiling candidates one"
-          " at a time (from under a minute to several each on a small CPU; stored compiles are read back in seconds)"
-          f" until the search ends or {cfg.budget:.0f} s have passed.", flush=True)
-    p = plan(cfg.run, cfg.topology, budget_s=cfg.budget, preset=preset)
+    devices = len(topology_devices(cfg.topology))
+    start = _resolved(for_topology(cfg.run, cfg.topology), devices)
+    first = apply(start, [("train.steps_per_call", 1)])  # as compile_candidate compiles it
+    try:
+        lowered = lower_train_call(first, cfg.topology)  # its size: how long a compile takes
+    except Exception:  # noqa: BLE001 - the search makes it a row with the reason, and tries the other layouts
+        lowered = None
+    print(intro(start, devices, cfg.topology, cfg.budget, lowered, preset), flush=True)
+    p = plan(cfg.run, cfg.topology, budget_s=cfg.budget, preset=preset,
+             compile=compile_candidate(cfg.topology, (first, lowered) if lowered else None))
     print(text(p, chip.hbm_bytes))
     if not p.outcomes[p.best].fits:
         raise ConfigError(f"--topology {cfg.topology}: no candidate fits")

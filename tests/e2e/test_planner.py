@@ -1,5 +1,6 @@
-"""A real plan through plan.py's main: a tiny model searched on v5e:2x2 with a budget that stops after the preset's
-compile (one compile), its verdict first and the table after. The search itself: tests/unit/test_planner.py."""
+"""A real plan through plan.py's main: a tiny model searched on one chip (v5e:1x1, a v5litepod-1) with a budget that
+stops after the preset's compile (one compile), what it will do first, then its verdict and the table. The search
+itself: tests/unit/test_planner.py."""
 
 import os
 
@@ -21,12 +22,13 @@ def test_a_real_plan_of_a_tiny_model_answers_with_its_verdict_first(tmp_path, mo
     from planning import compile_store
 
     monkeypatch.setattr(compile_store, "STORE", str(tmp_path))  # a compile now, not one kept from another run
-    code, out, err = run_main(plan_app.main, "--config", "gpt2_124m", "--topology", "v5e:2x2", "--search",
+    code, out, err = run_main(plan_app.main, "--config", "gpt2_124m", "--topology", "v5e:1x1", "--search",
                               "--budget", "1e-9", *TINY)  # the preset only
     assert code == 0, err[-3000:]
     out = out.splitlines()
-    assert out[0].startswith("Planning --config gpt2_124m for v5e:2x2 (4 chips): compiling candidates one at a time")
-    assert out[1] == "Best for --config gpt2_124m on v5e:2x2, predicted from its compiled program, not measured:"
+    assert out[0].startswith("Planning --config gpt2_124m for v5e:1x1 (1 chip): a coordinate descent from the preset")
+    assert "--budget stops it starting compiles after 1e-09 s, so it ends in under a minute." in out[0]
+    assert out[1] == "Best for --config gpt2_124m on v5e:1x1, predicted from its compiled program, not measured:"
     verdict = {line.split()[0]: line for line in out[2:8]}
     assert list(verdict) == ["flags", "fits", "step", "tokens/s", "MFU", "bottleneck"]
     assert verdict["flags"] == "  flags       (the preset as it is)" and verdict["fits"].split()[1] == "yes,"
@@ -35,5 +37,5 @@ def test_a_real_plan_of_a_tiny_model_answers_with_its_verdict_first(tmp_path, mo
     assert step_ms > 0 and 0 < mfu < 100
     tokens = float(verdict["tokens/s"].split()[1].replace(",", ""))
     # the step printed to 0.1 ms: the tokens per chip over the step, within that rounding
-    assert 16 * 128 / 4 / ((step_ms + 0.05) / 1e3) <= tokens <= 16 * 128 / 4 / (max(step_ms - 0.05, 1e-9) / 1e3)
+    assert 16 * 128 / ((step_ms + 0.05) / 1e3) <= tokens <= 16 * 128 / (max(step_ms - 0.05, 1e-9) / 1e3)
     assert any(line.startswith("1 candidate compiled in") and "stopped at the budget" in line for line in out)

@@ -145,11 +145,24 @@ def test_iterator_state_resumes_exactly_through_orbax(shakespeare, tmp_path):
         np.testing.assert_array_equal(next(fresh), expected)
 
 
-def test_worker_processes_give_the_same_batches(shakespeare):
+@pytest.mark.timeout(120)  # a worker killed under the iterator leaves it waiting, not failing
+def test_worker_processes_give_the_same_batches_and_go_on_after_a_set_state(shakespeare):
+    """Grain replaces the thread that started its workers when the iterator's state is set (a resume): why
+    data/orphans.py does not end a worker with PR_SET_PDEATHSIG, which fires on that thread's end (tried: this
+    test then waits forever on the second batch)."""
     files = open_corpus(shakespeare, vocab_size=50257, min_tokens=33).files("train")
-    in_process = _batches(files, 4)
-    workers = _batches(files, 4, num_workers=2)
-    assert all((a == b).all() for a, b in zip(in_process, workers))
+    in_process = _batches(files, 6)
+    cfg = LoaderConfig(seq_len=32, batch_size=4, seed=0, num_workers=2)
+    it = iter(make_dataset(files, 50257, cfg, shard_index=0, shard_count=1))
+    try:
+        workers = [next(it) for _ in range(2)]
+        state = it.get_state()
+        next(it)
+        it.set_state(state)  # back one batch, with the workers already running
+        workers += [next(it) for _ in range(4)]
+    finally:
+        it.close()
+    assert len(workers) == 6 and all((a == b).all() for a, b in zip(in_process, workers))
 
 
 # ---- corpus validation -------------------------------------------------------------------------

@@ -4,6 +4,8 @@ tests/e2e/test_planner.py."""
 
 import dataclasses
 
+import pytest
+
 import configs
 import plan as plan_app
 from planning import planner
@@ -97,3 +99,41 @@ def test_a_bad_budget_is_one_line():
     code, _, err = run_main(plan_app.main, "--config", "gpt2_124m", "--topology", "v5e:2x4", "--search", "--budget", "0")
     assert code == 2
     assert last_line(err) == "error: --budget must be a finite number > 0, got 0.0"
+
+
+class Lowered:
+    """The preset's lowered train call as the search's introduction reads it: whether it is stored, how long its
+    compile may take here."""
+
+    def __init__(self, seconds, stored=False):
+        self.seconds, self.stored = seconds, stored
+
+    def expected(self):
+        return self.seconds, "a fit to compiles on a 2-core machine"
+
+
+def test_the_search_says_up_front_what_it_compiles_how_many_and_for_how_long():
+    cfg = planner._resolved(configs.load("gpt2_124m"), 8)
+    most = planner.most_compiles(cfg, 8)
+    assert most == 1 + 6 + 2 + 1 + 3 + 1 + 6  # the preset, then every other value of each axis
+    line = planner.intro(cfg, 8, "v5e:2x4", 600, Lowered(150.0), "gpt2_124m")
+    assert line.startswith("Planning --config gpt2_124m for v5e:2x4 (8 chips): a coordinate descent from the preset,"
+                           " one axis at a time, over micro_batch (train.grad_accum 64, 32, 16, 8, 4, 2, 1), remat"
+                           " (none, dots, full), scan_layers (true, false), layout (dp, fsdp, tp, fsdp_tp), attention"
+                           " (xla, splash), micro_batch again: at most 20 candidates, each compiled once.")
+    # 20 compiles of 2.5 min would be 50: the budget's 10 min and the compile under way when it runs out
+    assert ("A compile of the preset's size should take about 2.5 min here (a fit to compiles on a 2-core machine);"
+            " --budget stops it starting compiles after 600 s, so it ends within about 12 min.") in line
+    assert line.endswith("a re-run reads them back in seconds and goes on where this one stopped.")
+    # a small search ends before its budget: 20 compiles of 6 s
+    assert "so it ends within about 2.0 min." in planner.intro(cfg, 8, "v5e:2x4", 600, Lowered(6.0))
+    assert "; the preset's own is stored)" in planner.intro(cfg, 8, "v5e:2x4", 600, Lowered(6.0, stored=True))
+
+
+def test_the_time_left_follows_the_compiles_pace_and_the_budget():
+    search = planner.Search(start(), 8, stand_in, budget_s=100)
+    search.outcomes = {(): Outcome((), True, 1.0, 0.3, 0.5, "compute", 30.0),
+                       (("model.remat", "dots"),): Outcome((), True, 1.0, 0.3, 0.5, "compute", 0.5, from_store=True)}
+    search.started -= 50  # 50 s of the 100 spent
+    assert search.time_left_s(4) == pytest.approx(2 * 30)  # two candidates left, at the 30 s a compile has taken
+    assert search.time_left_s(20) == pytest.approx(50 + 30, abs=1)  # the budget's 50 s and the compile it starts
