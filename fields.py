@@ -147,8 +147,9 @@ class Choice(Checked):
 
     def switch(self, name: str) -> "Choice":
         """The variant `name` of this family, keeping the values of the fields the two share."""
-        if name not in self.variants:
-            raise ConfigError(f"--{self.section}.name must be one of {', '.join(self.variants)}, got {name!r}")
+        problem = field_problem(typing.get_type_hints(type(self), include_extras=True)["name"], name)
+        if problem:  # the name field's own check, worded as every field's
+            raise ConfigError(f"{self.flag('name')} must be {problem}, got {name!r}")
         variant = self.variants[name]
         shared = {f.name for f in dataclasses.fields(variant)} - {"name"}
         with deferred_checks():  # the flags still to come may make it valid

@@ -1,21 +1,27 @@
-"""GPT-2 XL (1.5B) on a TPU v5e-256 pod in μP, its learning rate taken from a CPU sweep (docs/mup.md).
+"""GPT-2 XL (1.5B) on a TPU v5e-256 pod in μP with CompleteP's depth scaling, its learning rate and μP's own
+multipliers taken from the CPU proxy of `python -m benchmarks.mup_transfer` (docs/mup.md).
 
-gpt2_xl_pod's run (sizing: that preset and docs/aot_planning.md) with μP and optim.lr from the sweep.
-`python -m benchmarks.mup_transfer` swept AdamW's rate on a 2-layer proxy on the embedded corpus at widths 64,
-128 and 256 with μP based at width 128: the best rate was 2^-9 ≈ 1.95e-3 at every width (under the standard
-parametrization it moved 4×, from 3.9e-3 to 9.8e-4). μP carries it to width 1600 from the same base width
-(mup_base_width=128): the hidden matrices learn at 128/1600 of it (1.6e-4, beside gpt2_xl_pod's 2e-4 for every
-parameter), the embeddings, norms and biases at all of it, and the logits are × 128/1600. What μP's theory does
-not cover — 48 layers against 2, 1M tokens per step against 512, 30,000 steps against 100 — the sweep does not
-measure either (docs/mup.md, "What the sweep does not show").
+gpt2_xl_pod's run, based at that proxy: width 32 (m = 1600/32 = 50), head dim 16 (so the attention scale is
+√16/64, μP's 1/K from there), 2 layers (each residual branch × 2/48). The proxy's base part tuned α_in, α_out and
+AdamW's rate together at width 32 (docs/mup.md, "The sweep": the same rate is the best at widths 32 … 256 and, with
+depth scaling, at 2 … 8 layers); here the hidden matrices learn at lr/50 (PROXY_LR/50 ≈ 3e-4, beside gpt2_xl_pod's
+2e-4), the embeddings, norms and biases at all of it. Adam's ε follows CompleteP's rule for the blocks (Dey et al.
+2025: ε/m · L_base/L), whose gradients μP and the depth multiplier make ~1,200× smaller than the proxy's.
+Extrapolated, not measured (docs/mup.md, "What is still extrapolated"): 1M tokens per step against 256, 30,000 steps
+against 100, a vocabulary of 50,257 against 1,024, head dim 64 against 16: run a few rates around PROXY_LR on the
+pod before the long run.
 """
 
 from configs import extend
 from configs.gpt2_xl_pod import CONFIG as GPT2_XL_POD
 
+BASE_WIDTH, BASE_HEAD_DIM, BASE_DEPTH = 32, 16, 2  # benchmarks/mup_transfer.py's Proxy
+INPUT_MULT, OUTPUT_MULT, PROXY_LR = 30.0, 8.0, 2**-6  # the base part's best (docs/mup/mup_transfer.json)
+
 CONFIG = extend(
     GPT2_XL_POD,
     run_dir="runs/gpt2_xl_mup",
-    model=dict(parametrization="mup", mup_base_width=128),
-    optim=dict(lr=2**-9),  # the sweep's best: docs/mup.md, "The sweep"
+    model=dict(parametrization="mup", mup_base_width=BASE_WIDTH, mup_base_head_dim=BASE_HEAD_DIM,
+               mup_base_depth=BASE_DEPTH, mup_input_mult=INPUT_MULT, mup_output_mult=OUTPUT_MULT),
+    optim=dict(lr=PROXY_LR, eps=1e-8 / (1600 / BASE_WIDTH) / (48 / BASE_DEPTH)),
 )

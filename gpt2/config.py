@@ -18,12 +18,12 @@ RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 AttentionImpl = Literal["xla", "cudnn", "splash", "auto"]
 DType = Literal["float32", "bfloat16", "float16"]
 Parametrization = Literal["standard", "mup"]
+# μP's fields beyond the base width and their values that leave the standard parametrization unchanged: another
+# value under parametrization=standard is refused (it would do nothing)
+MUP_ONLY = {"mup_input_mult": 1.0, "mup_output_mult": 1.0, "mup_base_head_dim": None, "mup_base_depth": None}
 # Compute dtypes a backend can run where it is not all of DType: XLA:CPU has no float16 dot that accumulates in
 # float32, which jax.nn.dot_product_attention asks for (it failed inside the first train call).
 COMPUTE_DTYPES = {"cpu": ("float32", "bfloat16")}
-# μP's attention scores are q·k·α/K (Tensor Programs V, section 4: 1/K, not 1/√K); α = √64 makes them GPT-2's own
-# q·k/√K at its head dim of 64 (that of every GPT-2 size), so a μP model with K = 64 attends as the standard one.
-MUP_ATTENTION_MULT = 8.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +51,9 @@ class GPT2Config(Checked, section="model"):
     remat: Annotated[RematPolicy, Field("what to keep from each block's forward for the backward pass")] = "none"
     attention: Annotated[AttentionImpl, Field(
         '"xla" / "cudnn": jax.nn.dot_product_attention\'s implementations; "splash": the TPU Pallas kernel'
-        ' (gpt2/splash.py; interpreted, slowly, off TPU); "auto": splash on TPU, elsewhere dot_product_attention\'s'
-        " own choice (resolved when traced, for the mesh in context: see layers.attention_implementation)")] = "auto"
+        ' (gpt2/splash.py; interpreted, slowly, off TPU); "auto": the fast kernel of the platform traced for: splash'
+        " on TPU, cuDNN's flash attention on a GPU that can run it (half precision; gpt2/cudnn.py), else XLA's"
+        " (the start-up says which and why; see layers.attention_implementation)")] = "auto"
     attention_query_blocks: Annotated[int, Field(
         ">1: queries in this many blocks, each attending only to its key prefix, so the masked upper triangle is"
         " never computed (~37% less attention work at 4). For XLA:CPU, which has no fused causal attention",
@@ -74,10 +75,27 @@ class GPT2Config(Checked, section="model"):
     parametrization: Annotated[Parametrization, Field(
         '"mup": the Maximal Update Parametrization (Yang et al. 2022, "Tensor Programs V"; docs/mup.md), so that the'
         " best learning rate found at width mup_base_width holds at n_embd: relative to that width (m = n_embd /"
-        " mup_base_width) the hidden matrices' init std × 1/√m and AdamW rate × 1/m, the logits × 1/m, attention"
-        ' scores × α/K; "standard": GPT-2\'s own (Hugging Face parity)')] = "standard"
+        " mup_base_width) the hidden matrices' init std × 1/√m and AdamW rate × 1/m, the logits × mup_output_mult/m,"
+        ' attention scores × √K_base/K; "standard": GPT-2\'s own (Hugging Face parity)')] = "standard"
     mup_base_width: Annotated[int, Field(
-        "with parametrization=mup: the tuned proxy's width, where every μP multiplier is 1", gt=0)] = 128
+        "with parametrization=mup: the tuned proxy's width, where every μP width multiplier is 1", gt=0)] = 128
+    mup_input_mult: Annotated[float, Field(
+        "with parametrization=mup: α_in, the embeddings' (wte + wpe) multiplier, tuned at the base width with the"
+        " rate (Tensor Programs V's input multiplier; 10 in Cerebras-GPT, 30 on the CPU proxy: docs/mup.md)",
+        gt=0)] = 1.0
+    mup_output_mult: Annotated[float, Field(
+        "with parametrization=mup: α_out, the readout's multiplier at the base width (the logits × α_out/m), tuned"
+        " there with the rate (Tensor Programs V's output multiplier; 8 on the CPU proxy, docs/mup.md). At 1 the"
+        " readout stays as cold as GPT-2's at the base width however wide the model grows", gt=0)] = 1.0
+    mup_base_head_dim: Annotated[int | None, Field(
+        "with parametrization=mup: the head dim at the base width, where the attention scale √K_base/K (Tensor"
+        " Programs V's 1/K) is GPT-2's 1/√K. None: this model's own, so the scale is GPT-2's 1/√K, as it should be"
+        " where the heads grow at a fixed head dim (GPT-2's sizes: 64)", gt=0)] = None
+    mup_base_depth: Annotated[int | None, Field(
+        "with parametrization=mup: the tuned proxy's n_layer, for depth transfer (CompleteP, Dey et al. 2025:"
+        " each residual branch × mup_base_depth/n_layer, the residual projections initialized as at this depth, the"
+        " rates unchanged). None: μP in width only, GPT-2's 0.02/√(2·n_layer) init of the residual projections", gt=0
+    )] = None
 
     def cross_check(self) -> None:
         if self.n_embd % self.n_head:
@@ -85,6 +103,11 @@ class GPT2Config(Checked, section="model"):
         if self.document_positions and not self.document_mask:
             raise ConfigError("model.document_positions=true restarts positions at document boundaries and needs"
                               " model.document_mask=true")
+        if self.parametrization == "standard":
+            meant = {name: getattr(self, name) for name in MUP_ONLY if getattr(self, name) != MUP_ONLY[name]}
+            if meant:
+                raise ConfigError(f"model.{next(iter(meant))}={next(iter(meant.values()))} applies only with"
+                                  " model.parametrization=mup")
 
     @property
     def head_dim(self) -> int:
@@ -95,12 +118,13 @@ class GPT2Config(Checked, section="model"):
         m = self.pad_vocab_to
         return (self.vocab_size + m - 1) // m * m
 
-    # ---- μP (standard: m = 1, every multiplier 1 and the scale 1/√K) -------------------------------------
+    # ---- μP (standard: every multiplier 1, the scale 1/√K) ------------------------------------------------
     # As the `mup` package assigns them (tests/unit/test_mup.py checks against it, parameter by parameter), in the
     # MuReadout form of Tensor Programs V's Table 8. A hidden matrix (both dimensions grow with the width: c_attn,
-    # c_proj, c_fc: gpt2/layers.py `hidden_matrix`) is initialized with std × 1/√m and learns at 1/m of Adam's rate (optim/adamw.py);
-    # wte, wpe, biases and norms keep their init and rate. The tied head: wte is also the readout, as in mup's
-    # MuSharedReadout, whose weight keeps the embedding's init and rate while its input is multiplied by 1/m.
+    # c_proj, c_fc: gpt2/layers.py `hidden_matrix`) is initialized with std × 1/√m and learns at 1/m of Adam's rate
+    # (optim/adamw.py); wte, wpe, biases and norms keep their init and rate. The tied head: wte is also the readout,
+    # as in mup's MuSharedReadout, whose weight keeps the embedding's init and rate while its input is multiplied by
+    # α_out/m. α_in and α_out are the base width's own hyperparameters (1: GPT-2's); depth: CompleteP's rules.
 
     @property
     def width_mult(self) -> float:
@@ -117,15 +141,40 @@ class GPT2Config(Checked, section="model"):
         return std / math.sqrt(self.width_mult)
 
     @property
+    def residual_init_std(self) -> float:
+        """GPT-2's init std of the residual projections (attn.c_proj, mlp.c_proj), 0.02/√(2L) (Radford et al. 2019,
+        section 2.3), before μP's width rule; under depth scaling L is the base depth, the branch multiplier doing
+        the rest."""
+        return 0.02 / math.sqrt(2 * self.base_depth)
+
+    @property
+    def base_depth(self) -> int:
+        """The depth where the residual branches' multiplier is 1: mup_base_depth under μP with depth scaling, else
+        n_layer."""
+        return self.mup_base_depth if self.parametrization == "mup" and self.mup_base_depth else self.n_layer
+
+    @property
+    def residual_multiplier(self) -> float:
+        """What each residual branch's output is multiplied by: CompleteP's L_base/L (α = 1: Dey et al. 2025, Table 1,
+        whose rates at α = 1 need no depth factor: η·(L/L_base)^(α−1)); 1 without depth scaling."""
+        return self.base_depth / self.n_layer
+
+    @property
+    def input_multiplier(self) -> float:
+        """What the embeddings (wte + wpe) are multiplied by: α_in under μP, 1 in the standard parametrization."""
+        return self.mup_input_mult if self.parametrization == "mup" else 1.0
+
+    @property
     def logit_multiplier(self) -> float:
-        """What the readout's input (and so the logits) is multiplied by: MuReadout's 1/m."""
-        return 1.0 / self.width_mult
+        """What the readout's input (and so the logits) is multiplied by: MuReadout's α_out/m."""
+        return (self.mup_output_mult if self.parametrization == "mup" else 1.0) / self.width_mult
 
     @property
     def attention_scale(self) -> float:
-        """The softmax scale of q·k: 1/√K, or μP's α/K."""
+        """The softmax scale of q·k: 1/√K, or μP's 1/K (Tensor Programs V, section 4) × √K_base, which is 1/√K at the
+        base width's head dim K_base."""
         if self.parametrization == "mup":
-            return MUP_ATTENTION_MULT / self.head_dim
+            return math.sqrt(self.mup_base_head_dim or self.head_dim) / self.head_dim
         return 1.0 / math.sqrt(self.head_dim)
 
     @property

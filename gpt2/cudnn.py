@@ -21,20 +21,22 @@ import jax.numpy as jnp
 DTYPES = ("bfloat16", "float16")  # cuDNN's fused attention computes in these (and fp8), not float32
 
 
-def refusal(dtype: str, head_dim: int, seq_len: int, capability: tuple[int, int]) -> str | None:
+def refusal(dtype: str, head_dim: int, seq_len: int, capability: tuple[int, int], masked: bool = False
+            ) -> str | None:
     """Why cuDNN's flash attention cannot run this attention (None: it can), after JAX's own checks
     (`check_layout`, `check_is_flash_attention`): a half-precision compute dtype, a head dimension that is a
-    multiple of 8 up to 128 (256 from Hopper on), an even sequence length for its backward with a bias, and an
-    Ampere or newer GPU."""
+    multiple of 8 up to 128 (256 from Hopper on), an Ampere or newer GPU, and an even sequence length for its
+    backward with a bias (documents `masked` before Hopper: a dense mask, which cuDNN takes as a bias)."""
     if capability < (8, 0):
-        return f"cuDNN's flash attention needs an Ampere or newer GPU (compute capability {capability[0]}.{capability[1]})"
+        major, minor = capability
+        return f"cuDNN's flash attention needs an Ampere or newer GPU (compute capability {major}.{minor})"
     if dtype not in DTYPES:
         return f"cuDNN's flash attention computes in bfloat16 or float16, not {dtype} (--model.dtype=bfloat16)"
     largest = 256 if capability >= (9, 0) else 128
     if head_dim % 8 or head_dim > largest:
         return f"cuDNN's flash attention needs a head dimension that is a multiple of 8 up to {largest}, not {head_dim}"
-    if seq_len % 2:
-        return f"cuDNN's flash attention needs an even sequence length, not {seq_len}"
+    if seq_len % 2 and masked and not packs_documents(capability):
+        return f"cuDNN's flash attention with a document mask needs an even sequence length, not {seq_len}"
     return None
 
 

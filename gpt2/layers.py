@@ -9,8 +9,6 @@ Shape legend: B batch, T time (query), S time (key/value), D embed, H heads, K h
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -97,13 +95,12 @@ class CausalSelfAttention(nnx.Module):
         # [H, K] -> [D]; a residual projection: GPT-2 scales its init by 1/sqrt(2·n_layer)
         self.c_proj = nnx.LinearGeneral(
             (H, K), D, axis=(-2, -1), use_bias=config.bias,
-            **hidden_matrix(config, 0.02 / math.sqrt(2 * config.n_layer), ((-3, -2), (-1,)),
-                            "heads", "head_dim", "embed"),
+            **hidden_matrix(config, config.residual_init_std, ((-3, -2), (-1,)), "heads", "head_dim", "embed"),
             bias_metadata=param_meta("embed"), rngs=rngs, **dtypes,
         )
         self.resid_dropout = nnx.Dropout(config.dropout)
         self.attention, self.dtype_name = config.attention, config.dtype  # the kernel: chosen when traced
-        self.scale = config.attention_scale  # of q·k: 1/√K, or μP's α/K
+        self.scale = config.attention_scale  # of q·k: 1/√K, or μP's √K_base/K
         self.query_blocks = config.attention_query_blocks
         self.splash_blocks = (config.splash_block_q, config.splash_block_kv)  # a tuple: graph statics are hashed
         self.rules = rules
@@ -130,7 +127,8 @@ class CausalSelfAttention(nnx.Module):
         return y, cache
 
     def _causal_attention(self, q, k, v, segment_ids) -> jax.Array:  # each [B, T, H, K] -> [B, T, H, K]
-        implementation = attention_implementation(self.attention, self.dtype_name, q.shape[-1], q.shape[1])
+        implementation = attention_implementation(self.attention, self.dtype_name, q.shape[-1], q.shape[1],
+                                                  masked=segment_ids is not None)
         if implementation == "splash":  # skips the masked blocks itself: query_blocks does not apply
             block_q, block_kv = self.splash_blocks
             return splash_attention(q, k, v, segment_ids, scale=self.scale, block_q=block_q, block_kv=block_kv,
@@ -153,7 +151,7 @@ class CausalSelfAttention(nnx.Module):
         return jnp.concatenate(outs, axis=1)
 
 
-def attention_implementation(choice: str, dtype: str, head_dim: int, seq_len: int) -> str:
+def attention_implementation(choice: str, dtype: str, head_dim: int, seq_len: int, masked: bool = False) -> str:
     """What `model.attention` means for the program being traced: "splash", "cudnn" or "xla". "auto" is the fast
     kernel of the target: splash on a TPU; cuDNN's flash attention on a GPU where it can run this attention
     (gpt2/cudnn.py `refusal`: half precision, the head dimension, the GPU), with packed documents as segment
@@ -168,7 +166,7 @@ def attention_implementation(choice: str, dtype: str, head_dim: int, seq_len: in
     platform = target_platform()
     if platform == "tpu":
         return "splash"
-    if platform == "gpu" and cudnn.refusal(dtype, head_dim, seq_len, cudnn.device_capability()) is None:
+    if platform == "gpu" and cudnn.refusal(dtype, head_dim, seq_len, cudnn.device_capability(), masked) is None:
         return "cudnn"
     return "xla"
 
@@ -180,7 +178,7 @@ def check_attention(config: GPT2Config, seq_len: int) -> None:
         return
     if target_platform() != "gpu":
         raise ConfigError(f"--model.attention=cudnn needs an NVIDIA GPU, not {target_platform()}; use auto")
-    why = cudnn.refusal(config.dtype, config.head_dim, seq_len, cudnn.device_capability())
+    why = cudnn.refusal(config.dtype, config.head_dim, seq_len, cudnn.device_capability(), config.document_mask)
     if why:
         raise ConfigError(f"--model.attention=cudnn: {why}; or --model.attention=auto (XLA's then)")
 
@@ -188,12 +186,13 @@ def check_attention(config: GPT2Config, seq_len: int) -> None:
 def describe_attention(config: GPT2Config, seq_len: int) -> str:
     """The start-up's word on the attention kernel (under the run's mesh), and why not cuDNN's on a GPU where
     "auto" falls back to XLA's."""
-    chosen = attention_implementation(config.attention, config.dtype, config.head_dim, seq_len)
+    masked = config.document_mask
+    chosen = attention_implementation(config.attention, config.dtype, config.head_dim, seq_len, masked)
     if chosen == "cudnn":
         packed = config.document_mask and cudnn.packs_documents(cudnn.device_capability())
         return "cudnn flash" + ("; documents as packed segments" if packed else
                                 "; documents as a [B, 1, T, T] mask" if config.document_mask else "")
-    why = cudnn.refusal(config.dtype, config.head_dim, seq_len, cudnn.device_capability())
+    why = cudnn.refusal(config.dtype, config.head_dim, seq_len, cudnn.device_capability(), masked)
     if chosen == "xla" and config.attention == "auto" and target_platform() == "gpu" and why:
         return f"xla ({why})"
     return chosen
@@ -228,9 +227,9 @@ class MLP(nnx.Module):
             D, F, use_bias=config.bias, **hidden_matrix(config, 0.02, ((-2,), (-1,)), "embed", "mlp"),
             bias_metadata=param_meta("mlp"), rngs=rngs, **dtypes,
         )
-        residual_std = 0.02 / math.sqrt(2 * config.n_layer)  # as attn.c_proj's
-        self.c_proj = nnx.Linear(
-            F, D, use_bias=config.bias, **hidden_matrix(config, residual_std, ((-2,), (-1,)), "mlp", "embed"),
+        self.c_proj = nnx.Linear(  # a residual projection, as attn.c_proj
+            F, D, use_bias=config.bias,
+            **hidden_matrix(config, config.residual_init_std, ((-2,), (-1,)), "mlp", "embed"),
             bias_metadata=param_meta("embed"), rngs=rngs, **dtypes,
         )
         self.dropout = nnx.Dropout(config.dropout)
@@ -242,13 +241,15 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-LayerNorm transformer block (GPT-2, Radford et al. 2019, section 2.3)."""
+    """Pre-LayerNorm transformer block (GPT-2, Radford et al. 2019, section 2.3); under μP with depth scaling each
+    residual branch is multiplied by L_base/L (CompleteP, Dey et al. 2025)."""
 
     def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, rules: ShardingRules | None = None):
         self.ln_1 = LayerNorm(config, rngs=rngs)
         self.attn = CausalSelfAttention(config, rngs=rngs, rules=rules)
         self.ln_2 = LayerNorm(config, rngs=rngs)
         self.mlp = MLP(config, rngs=rngs)
+        self.branch_scale = config.residual_multiplier  # 1 unless μP scales with depth
 
     def __call__(
         self,
@@ -263,7 +264,7 @@ class Block(nnx.Module):
         with jax.named_scope("attn"):
             a, cache = self.attn(self.ln_1(x), segment_ids=segment_ids, cache=cache, cache_index=cache_index,
                                  dropout_key=k_attn)
-        x = x + a
+        x = x + self.branch_scale * a
         with jax.named_scope("mlp"):
-            x = x + self.mlp(self.ln_2(x), dropout_key=k_mlp)
+            x = x + self.branch_scale * self.mlp(self.ln_2(x), dropout_key=k_mlp)
         return x, cache

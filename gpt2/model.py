@@ -83,6 +83,7 @@ class GPT2(nnx.Module):
 
     def _embed(self, idx, *, start, positions=None, dropout_key=None) -> jax.Array:  # [B, T, D]
         x = self._token_embedding(idx) + self._position_embedding(idx.shape[1], start, positions)
+        x = x * self.config.input_multiplier  # 1 (standard), or μP's α_in
         x = self.drop(x, deterministic=dropout_key is None, rngs=dropout_key)
         return self._constrain(x)
 
@@ -134,7 +135,7 @@ class GPT2(nnx.Module):
 
     def _head(self, x) -> jax.Array:  # [B, T, D] -> [B, T, V_padded]
         c = self.config
-        x = self.ln_f(x) * c.logit_multiplier  # 1 (standard), or μP's 1/m: mup's MuSharedReadout multiplier
+        x = self.ln_f(x) * c.logit_multiplier  # 1 (standard), or μP's α_out/m: mup's MuSharedReadout multiplier
         logits = self.wte.attend(x)  # tied head: x @ wteᵀ
         if c.padded_vocab_size != c.vocab_size:  # padded ids must never be predicted
             valid = jnp.arange(c.padded_vocab_size) < c.vocab_size

@@ -29,6 +29,17 @@ def model_shardings(config: GPT2Config, mesh: Mesh, rules: ShardingRules | str):
     return named_shardings(nnx.state(abstract_model(config, rules)), mesh, _resolve(rules))
 
 
+def new_model(config: GPT2Config, rules: ShardingRules, seed: int) -> GPT2:
+    """A freshly initialized model: the one definition of GPT-2's initialization from a seed, traced inside the
+    programs that make it born sharded (`create_sharded_model`, and the training's whole fresh state:
+    trainer/program/train_program.py `init_state`)."""
+    return GPT2(config, rngs=nnx.Rngs(seed), rules=rules)
+
+
+def new_params(config: GPT2Config, rules: ShardingRules, seed: int) -> nnx.State:
+    return nnx.state(new_model(config, rules, seed), nnx.Param)
+
+
 def create_sharded_model(
     config: GPT2Config, mesh: Mesh, rules: ShardingRules | str, *, seed: int = 0
 ) -> GPT2:
@@ -43,7 +54,7 @@ def create_sharded_model(
 
     @nnx.jit
     def init() -> GPT2:
-        model = GPT2(config, rngs=nnx.Rngs(seed), rules=rules)
+        model = new_model(config, rules, seed)
         state = jax.lax.with_sharding_constraint(nnx.state(model), shardings)
         nnx.update(model, state)
         return model

@@ -27,7 +27,7 @@ def build(optimizer: OptimizerConfig, schedule: ScheduleConfig, guard: GuardConf
     off). Each step reports every group's learning rate, read at the optimizer's own count of applied updates (a
     skipped step does not move the schedule), and the guard's skipped / streak."""
     tx = spike_guard(guard, unguarded(optimizer, schedule, total_steps, width_mult))
-    rates = {group: schedule.rate(peak, total_steps) for group, peak in optimizer.peak_rates().items()}
+    rates = group_rates(optimizer, schedule, total_steps)
 
     def report(before, after) -> dict:
         applied = applied_updates(before.inner)
@@ -41,7 +41,13 @@ def unguarded(optimizer: OptimizerConfig, schedule: ScheduleConfig, total_steps:
     """Global-norm clipping, then the optimizer's update rule with its rates on `schedule`. `width_mult`: μP's m
     (None: the standard parametrization)."""
     clip = optax.clip_by_global_norm(optimizer.grad_clip) if optimizer.grad_clip > 0 else optax.identity()
-    return optax.chain(clip, optimizer.update_rule(schedule, total_steps, width_mult))
+    return optax.chain(clip, optimizer.update_rule(group_rates(optimizer, schedule, total_steps), width_mult))
+
+
+def group_rates(optimizer: OptimizerConfig, schedule: ScheduleConfig, total_steps: int) -> dict[str, optax.Schedule]:
+    """Each group's learning rate over the run: its peak on the schedule. What the update applies and what the step
+    reports are both these."""
+    return {group: schedule.rate(peak, total_steps) for group, peak in optimizer.peak_rates().items()}
 
 
 __all__ = ["GuardConfig", "Optimizer", "OptimizerConfig", "ScheduleConfig", "build", "unguarded"]

@@ -12,7 +12,6 @@ import optax
 
 from fields import Field
 from optim.base import OptimizerConfig, by_path, decay_mask, is_hidden_matrix
-from optim.schedules import ScheduleConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,13 +25,13 @@ class AdamWConfig(OptimizerConfig, choice="adamw"):
     weight_decay: Annotated[float, Field(
         "decoupled weight decay, applied to matrices and embeddings only (not biases or norms)", ge=0)] = 0.1
 
-    def update_rule(self, schedule: ScheduleConfig, total_steps: int, width_mult: float | None = None
+    def update_rule(self, rates: dict[str, optax.Schedule], width_mult: float | None = None
                     ) -> optax.GradientTransformation:
         """optax.adamw; under μP (a width_mult) Adam's direction multiplied per parameter (`mup_lr_multipliers`)
         before the decoupled weight decay is added, so a parameter's rate is lr · multiplier while its decay per step
         stays lr · weight_decay: what mup's MuAdamW does (rate / m, weight decay × m, on torch's p ← p·(1 −
         rate·decay))."""
-        rate = schedule.rate(self.lr, total_steps)
+        rate = rates["lr"]
         if width_mult is None:
             return optax.adamw(rate, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay,
                                mask=decay_mask)

@@ -17,7 +17,6 @@ from flax import nnx
 
 from fields import Choice, Field
 from gpt2.layers import matrix_axes
-from optim.schedules import ScheduleConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,9 +27,10 @@ class OptimizerConfig(Choice, section="optim"):
     lr: Annotated[float, Field("peak learning rate (of every parameter, or of the default group)", gt=0)] = 6e-4
     grad_clip: Annotated[float, Field("clip the global gradient norm to this; 0 disables", ge=0)] = 1.0
 
-    def update_rule(self, schedule: ScheduleConfig, total_steps: int, width_mult: float | None
+    def update_rule(self, rates: dict[str, optax.Schedule], width_mult: float | None
                     ) -> optax.GradientTransformation:
-        """The update after clipping. `width_mult`: μP's m (None: the standard parametrization)."""
+        """The update after clipping, each group at its rate (`rates`: `peak_rates` on the run's schedule, the same
+        schedules the step's report reads). `width_mult`: μP's m (None: the standard parametrization)."""
         raise NotImplementedError
 
     def peak_rates(self) -> dict[str, float]:
@@ -86,10 +86,10 @@ def decay_mask(params: nnx.State) -> nnx.State:
 
 def parameters_per_group(optimizer: OptimizerConfig, params: nnx.State) -> dict[str, int]:
     """How many parameters each group holds (for the start-up line)."""
+    groups = by_path(params, optimizer.group_of)  # the paths the partition sees
     counts: dict[str, int] = {}
-    for path, v in nnx.to_flat_state(params):
-        group = optimizer.group_of(tuple(str(p) for p in path), v)
-        counts[group] = counts.get(group, 0) + v.get_value().size
+    for (_, group), (_, v) in zip(nnx.to_flat_state(groups), nnx.to_flat_state(params)):
+        counts[group.get_value()] = counts.get(group.get_value(), 0) + v.get_value().size
     return counts
 
 

@@ -13,7 +13,6 @@ from fields import Field
 from gpt2.layers import matrix_axes
 from optim.adamw import AdamWConfig
 from optim.base import by_path, is_hidden_matrix, parameters_per_group
-from optim.schedules import ScheduleConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,15 +27,15 @@ class MuonConfig(AdamWConfig, choice="muon"):
     muon_ns_coeffs: Annotated[tuple[float, float, float], Field(
         "the Newton–Schulz quintic's (a, b, c) (modded-nanogpt's by default)")] = (3.4445, -4.7750, 2.0315)
 
-    def update_rule(self, schedule: ScheduleConfig, total_steps: int, width_mult: float | None = None
+    def update_rule(self, rates: dict[str, optax.Schedule], width_mult: float | None = None
                     ) -> optax.GradientTransformation:
         # μP's 1/m is for Adam on the hidden matrices, which are Muon's here: Muon's own max(1, fan_out/fan_in)^½
         # (optax's scale_by_shape) sizes their updates, and every parameter AdamW keeps has multiplier 1
         muon = optax.contrib.muon(
-            schedule.rate(self.muon_lr, total_steps), ns_coeffs=self.muon_ns_coeffs, ns_steps=self.muon_ns_steps,
+            rates["lr/muon"], ns_coeffs=self.muon_ns_coeffs, ns_steps=self.muon_ns_steps,
             beta=self.muon_momentum, weight_decay=self.muon_weight_decay, nesterov=True,
             muon_weight_dimension_numbers=lambda params: by_path(params, lambda path, v: muon_dimensions(v)))
-        adamw = AdamWConfig.update_rule(self, schedule, total_steps)
+        adamw = AdamWConfig.update_rule(self, rates)
         return optax.partition({"lr/muon": muon, "lr": adamw},
                                lambda params: by_path(params, lambda path, v: self.group_of(path, v)))
 

@@ -8,7 +8,7 @@ mistakes the trend for spread (early on, a loss at the initial level scored unde
 judged by its residual against a fast-moving level (the trend), standardized by the moving mean and variance of
 past residuals: a steady trend only shifts the residuals' mean. A skipped step gives zero updates, keeps the
 wrapped optimizer's state (its count, and so its learning-rate schedule, moves with applied steps only) and moves
-none of the statistics, so one spike cannot raise the bar for the next. See configs.base.GuardConfig for the
+none of the statistics, so one spike cannot raise the bar for the next. GuardConfig (below) holds the
 thresholds.
 
 The transformation is always in the chain, so the train state has one structure whether the guard is on or off

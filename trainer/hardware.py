@@ -4,6 +4,8 @@ laptop). The TPU generations' other figures (HBM, ICI, DCN), which only planning
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import platform
@@ -33,6 +35,7 @@ SAMPLES = 3  # measurements of the CPU peak kept the best of, one per start, bef
 TYPICAL_MFU = 0.4
 
 
+@functools.lru_cache(maxsize=None)  # one measurement per process (a CPU's is timed)
 def peak_flops_per_device(override: float | None) -> float:
     """The config's value, a known accelerator's spec, or (CPU) this machine's float32 matmul peak.
 

@@ -51,7 +51,7 @@ def test_cli_run_leaves_metrics_checkpoints_plot_config_and_sample(k4_run):
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))
     assert set(steps[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "peak_flops",
-                             "skipped", "streak"}  # what the step reports (the optimizer's: lr, the guard's), then speed
+                             "skipped", "streak"}  # what the step reports (the optimizer's lr, the guard's), then speed
     assert len({r["peak_flops"] for r in steps}) == 1  # one peak for the whole run: MFUs compare
     # the first call (4 steps) compiled and first loaded the program: its speed is unknown, not a wrong number
     assert [r["mfu"] is None for r in steps] == [True] * 4 + [False] * 8
@@ -347,7 +347,7 @@ def test_refusals_on_resume_name_the_fields(k4_run, shakespeare, tmp_path):
     edit_meta(other, train_tokens=500_000)
     assert "checkpoint was trained on another corpus" in refused(f"--data.dataset={other}")
     message = refused("--schedule.decay_steps=2000")
-    assert "resuming would change the learning rates (schedule.decay_steps: 1000 -> 2000)" in message
+    assert "resuming would change the optimizer or its schedule (schedule.decay_steps: 1000 -> 2000)" in message
     assert "1000 -> 2000" in message and "--train.reschedule=True" in message
     assert ("(optim.lr: 0.002 -> 0.001); keep the old values, or pass --train.reschedule=True"
             in refused("--optim.lr=1e-3"))

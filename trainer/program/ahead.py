@@ -20,7 +20,16 @@ _COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_pre
 # Whether a compile ahead should overlap another program's compile on the main thread. On 2 cores it gains nothing:
 # XLA's CPU compiler keeps both busy, and the default run's train call compiled in 4.6 s alone but ~8 s beside the
 # initialization's program (benchmarks/first_step.py); with more cores both go at full speed.
-OVERLAP_COMPILES = len(os.sched_getaffinity(0)) > 2
+OVERLAP_COMPILES = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) > 2
+_queued: list[concurrent.futures.Future] = []
+
+
+def cancel_queued() -> None:
+    """Drops the compiles not yet started (a run that ends without needing them: a failure, a preemption), so that
+    the interpreter's exit, which joins the compiling thread, waits at most for the one under way."""
+    for future in _queued:
+        future.cancel()
+    _queued.clear()
 
 
 class Ahead:
@@ -34,6 +43,7 @@ class Ahead:
                 return jitted.lower(*abstract_args).compile()
 
         self.future = _COMPILER.submit(compile_)
+        _queued.append(self.future)
 
     def executable(self):
         """The compiled program (waits for its compile)."""

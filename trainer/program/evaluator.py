@@ -63,7 +63,8 @@ class Evaluator:
     def mean_loss(self, params, batches: Iterable[np.ndarray], limit: int | None) -> tuple[float, int]:
         """Mean next-token loss over the first `limit` batches ([B_local, T+1] each; all when None) and how
         many batches that was (0: the loss is nan)."""
-        losses = [self.loss(params, to_global(local, self.batch_sharding)) for local in itertools.islice(batches, limit)]
+        losses = [self.loss(params, to_global(local, self.batch_sharding))
+                  for local in itertools.islice(batches, limit)]
         if not losses:
             return float("nan"), 0
         return float(np.mean(jax.device_get(losses))), len(losses)

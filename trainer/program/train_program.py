@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import optim
 from configs.base import Config
 from gpt2.model import GPT2, next_token_loss
+from gpt2.sharded_init import new_params
 from gpt2.sharding import ShardingRules
 from optim.base import all_finite
 from optim.spike_guard import from_state_format_1
@@ -107,7 +108,7 @@ class TrainProgram:
 
         def fresh(params):
             if params is None:
-                params = nnx.state(GPT2(config, rngs=nnx.Rngs(seed), rules=rules), nnx.Param)
+                params = new_params(config, rules, seed)
             return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32),
                     "rng": jax.random.PRNGKey(seed)}
 
@@ -117,11 +118,7 @@ class TrainProgram:
     def compile_ahead(self) -> Ahead:
         """The train call, compiling now on the background thread (trainer/program/ahead.py) while the host does
         the rest of the start-up: the run's first call waits only for what is left of it."""
-        t = self.config.train
-        batches = jax.ShapeDtypeStruct((t.steps_per_call, t.batch_size, t.seq_len + 1), jnp.int32,
-                                       sharding=self.batch_sharding)
-        active = jax.ShapeDtypeStruct((t.steps_per_call,), jnp.bool_)
-        return Ahead(self.train_call(), self.mesh, self.abstract_state(), batches, active)
+        return Ahead(self.train_call(), self.mesh, *self.abstract_inputs())
 
     def model(self, params: nnx.State) -> GPT2:
         return self.layout.model(params)
@@ -164,11 +161,14 @@ class TrainProgram:
 
     def lower(self):
         """The train call lowered on abstract inputs (nothing allocated): for AOT reports and compile checks."""
+        return self.train_call().lower(*self.abstract_inputs())
+
+    def abstract_inputs(self) -> tuple[TrainState, jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        """The train call's arguments as ShapeDtypeStructs: the state, the [K, B, T + 1] batches, the [K] mask."""
         t = self.config.train
         batches = jax.ShapeDtypeStruct((t.steps_per_call, t.batch_size, t.seq_len + 1), jnp.int32,
                                        sharding=self.batch_sharding)
-        active = jax.ShapeDtypeStruct((t.steps_per_call,), jnp.bool_)
-        return self.train_call().lower(self.abstract_state(), batches, active)
+        return self.abstract_state(), batches, jax.ShapeDtypeStruct((t.steps_per_call,), jnp.bool_)
 
     def _train_step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
         """One optimizer step on a [B, T+1] batch, accumulating gradients over `grad_accum` micro-batches."""

@@ -22,6 +22,8 @@ from gpt2.sharded_init import param_report, visualize_param
 from trainer.corpus import resolve_corpus, train_loader_config
 from trainer.eval.tasks import check_tasks
 from trainer.hardware import TYPICAL_MFU, peak_flops_per_device
+from trainer.program.ahead import cancel_queued
+from trainer.program.memory import check_fits
 from trainer.processes import failing_together, initialize_distributed, is_process_0, on_process_0, say
 from trainer.program.mesh import build_mesh
 from trainer.program.train_program import STATE_FORMAT, TrainProgram
@@ -65,7 +67,7 @@ def _build_and_run(cfg: Config, entered: float, joined: float) -> int:
     try:
         timeline = open_timeline(run_dir, entered, joined, cfg.storage.metrics_every)
         use_compile_cache(cfg.train.compile_cache, run_dir, cfg.train.compile_cache_gb)
-        live = LiveSteps() if jax.default_backend() == "cpu" and cfg.log.progress else None  # minutes a call
+        live = LiveSteps() if live_progress(cfg) else None
         program = TrainProgram.build(cfg, mesh, on_step=live)
         ckpt = Checkpoints(run_dir.path, cfg.checkpoint, save_statistics=OrbaxSaveTimes(timeline))
         run = RunContext(cfg, program, run_dir, ckpt, corpus,
@@ -93,14 +95,24 @@ def _run(run: RunContext) -> None:
         run.timeline.end("finished")
         return
     wandb_mode = restored.meta.get("wandb_mode") or resolve_wandb_mode(run.cfg.log.wandb)
-    logger, meta = start_up(run, restored, wandb_mode)
-    try:
-        with Preemption() as preemption:
+    with Preemption() as preemption:  # a SIGTERM while the train call compiles is answered after its first call
+        with run.timeline.measure("startup"):  # the step estimate may measure the CPU's peak: seconds, while the
+            say(summary(run, restored.step, wandb_mode))  # train call compiles on the background thread
+        wait_for_the_train_call(run)
+        logger, meta = start_up(run, restored, wandb_mode)
+        try:
             run.timeline.commit()  # the run goes ahead: this attempt's record goes to events.jsonl,
             keep_run_log()  # and its lines to its log
             state = run_to_stop(run, restored.state, preemption, logger, meta)
+        except BaseException:
+            cancel_queued()
+            logger.close(quietly=True)  # the error being raised is the one to report
+            raise
+    try:
         finished = int(state["step"]) >= run.cfg.train.steps
-        if finished and run.cfg.train.sample_tokens:
+        if not finished:
+            cancel_queued()  # the sample will not be taken
+        if finished and run.final_sample.wanted:
             with run.timeline.measure("sample"):
                 say(run.final_sample.text(state))  # every process: the parameters may span them all
         logger.plot()
@@ -114,6 +126,18 @@ def _run(run: RunContext) -> None:
     done = outputs(run, wandb_mode)
     run.ckpt.close()
     say(done)
+
+
+def wait_for_the_train_call(run: RunContext) -> None:
+    """Says what the wait is for, waits for the train call's compile (as one compile interval of the timeline) and
+    refuses a call that cannot fit the devices' memory: before anything is written, so that such a run leaves its
+    run directory as it was."""
+    t, call = run.cfg.train, run.train_call
+    if not call.future.done():
+        say(f"compiling the train call ({t.steps_per_call} steps of {t.batch_size} × {t.seq_len} tokens)")
+    with run.timeline.measure("compile", programs={}, cache_hits={}, waited=True):
+        executable = call.executable()
+    check_fits(executable, run.cfg)
 
 
 def report_goodput(run: RunContext, logger: MetricsLogger) -> None:
@@ -135,12 +159,12 @@ def nothing_to_do(run: RunContext, restored: Restored) -> bool:
 
 
 def start_up(run: RunContext, restored: Restored, wandb_mode: str) -> tuple[MetricsLogger, dict]:
-    """The config record and the start-up summary; (the metrics logger, the metadata every checkpoint keeps)."""
+    """The config record and the start-up's details asked for; (the metrics logger, the metadata every checkpoint
+    keeps)."""
     cfg, saved, start = run.cfg, restored.meta, restored.step
     config = dataclasses.asdict(cfg)
     if is_process_0():
         run.run_dir.record_config(config, start)
-        say(summary(run, start, wandb_mode))
         if cfg.log.print_config:
             print(json.dumps(config, indent=2))
         if cfg.log.param_report:
@@ -181,14 +205,31 @@ def summary(run: RunContext, start: int, wandb_mode: str) -> str:
     ])
 
 
-def step_estimate(cfg: Config) -> str:
-    """What a step should take, before the first one: the model's FLOPs at TYPICAL_MFU of the devices' peak."""
+def expected_step(cfg: Config) -> tuple[float, float, float]:
+    """(seconds, FLOPs, the devices' peak FLOP/s) of a step, before the first one: its FLOPs at TYPICAL_MFU."""
     t = cfg.train
     flops = cfg.model.flops_per_token(t.seq_len) * t.batch_size * t.seq_len
     peak = peak_flops_per_device(t.peak_flops) * jax.device_count()
-    seconds = flops / (peak * TYPICAL_MFU)
+    return flops / (peak * TYPICAL_MFU), flops, peak
+
+
+def step_estimate(cfg: Config) -> str:
+    seconds, flops, peak = expected_step(cfg)
     return (f"expect   ~{seconds:.3g} s a step ({flops / 1e9:,.1f} GFLOP at {TYPICAL_MFU:.0%} of"
             f" {peak / 1e12:.3g} TFLOP/s); the first call compiles first")
+
+
+LIVE_AFTER_SECONDS = 30.0
+
+
+def live_progress(cfg: Config) -> bool:
+    """Whether the bar moves at each step (a host callback in the train call: TrainProgram.on_step), not at each
+    call: on a CPU, where a call is expected to take over LIVE_AFTER_SECONDS (gpt2_124m's 10 steps on a laptop, ~2
+    minutes). JAX keeps a program with host callbacks out of its persistent cache, so the runs whose calls are short
+    (the default's: ~5 s) keep theirs, and a restart of a long one compiles its train call again."""
+    if not (cfg.log.progress and jax.default_backend() == "cpu"):
+        return False
+    return expected_step(cfg)[0] * cfg.train.steps_per_call > LIVE_AFTER_SECONDS
 
 
 def outputs(run: RunContext, wandb_mode: str) -> str:

@@ -18,8 +18,6 @@ import jax
 
 from configs.base import Config
 from trainer.hardware import peak_flops_per_device
-from trainer.processes import say
-from trainer.program.memory import check_fits
 from trainer.run.context import RunContext
 from trainer.run.data_position import rows_consumed_or_none
 from trainer.run.observers import (CallTimes, CompileAhead, EvalTasks, FinishedCall, Observer, Progress, StallWatch,
@@ -34,7 +32,7 @@ from trainer.telemetry.profiler import Profile
 
 def steps_this_call(step: int, stop: int, cfg: Config) -> int:
     """Steps the next call takes: K, or fewer so that the call ends exactly at the next evaluation,
-    checkpoint or stop (a call's steps only run where its active mask says so: no second executable)."""
+    checkpoint or stop (its steps past them are computed and dropped by its active mask: no second executable)."""
     t = cfg.train
     ends = [stop, step + t.steps_per_call, (step // cfg.checkpoint.every + 1) * cfg.checkpoint.every]
     if t.eval_every:
@@ -74,7 +72,7 @@ class TrainingLoop:
     def run_calls(self) -> None:
         """Dispatches train calls until the stop step (or a preemption), each one before the previous one's
         metrics are read unless a boundary needs them now."""
-        call, pending = self.run.train_call(), None  # compiled ahead (trainer/program/ahead.py)
+        call, pending = self.run.train_call, None  # compiled ahead (trainer/program/ahead.py)
         while self.step < self.stop:
             n = steps_this_call(self.step, self.stop, self.cfg)
             batches, active = self.next_batches(n, waiting=pending is None)
@@ -160,10 +158,7 @@ class TrainingLoop:
 
 def run_to_stop(run: RunContext, state, preemption: Preemption, logger: MetricsLogger, meta: dict):
     """The loop with its observers, from `state` to the stop step; the state it ends with, its saves finished."""
-    cfg, call, t = run.cfg, run.train_call(), run.cfg.train
-    if not call.future.done():
-        say(f"compiling the train call ({t.steps_per_call} steps of {t.batch_size} × {t.seq_len} tokens)")
-    check_fits(call.executable(), cfg)  # waits for the compile: a call that cannot fit never starts
+    cfg = run.cfg
     peak = peak_flops_per_device(cfg.train.peak_flops) * jax.device_count()
     progress = Progress(run, logger, peak, int(state["step"]))
     watchdog = watchdog_for(run)

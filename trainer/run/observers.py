@@ -82,14 +82,15 @@ class StartUp(Observer):
 
 
 class CompileAhead(Observer):
-    """Once the first call has finished (its own compile came first), the programs the run needs later compile on
-    the background thread while it trains (trainer/program/ahead.py): the evaluation's loss for the run's batches
-    and the final sample's decoding. Its first evaluation, pre-save probe and sample then compile nothing."""
+    """As the first call is dispatched (its own compile is done by then), the programs the run needs later compile
+    on the background thread while it trains (trainer/program/ahead.py): the evaluation's loss for the run's batches
+    (also the pre-save probe's, which may come at the first call's end) and the final sample's decoding. Its first
+    evaluation, probe and sample then compile nothing."""
 
     def __init__(self, run: RunContext):
         self.run, self.started = run, False
 
-    def call_finished(self, call: FinishedCall) -> None:
+    def call_dispatched(self, step: int, n: int) -> None:
         if not self.started:
             self.started = True
             t = self.run.cfg.train
@@ -138,16 +139,20 @@ class Progress(Observer):
             mfu = tokens_per_s * self.run.cfg.model.flops_per_token(t.seq_len) / self.peak
         for i in range(call.n):
             self.logger.log(self.record(call, i, tokens_per_s, mfu))
-        self.bar.update(max(0, call.reached - self.bar.n))  # the steps LiveSteps has not shown yet
         speed = {} if elapsed is None else {"tok_s": f"{tokens_per_s:,.0f}", "mfu": f"{mfu:.1%}"}
-        self.bar.set_postfix(loss=f"{call.metrics['loss'][-1]:.3f}", **speed)
-        if elapsed is None:  # the first call compiled: the ETA counts from the calls after it
-            self.restart_bar(call.reached)
+        with self.bar.get_lock():  # LiveSteps moves the bar from XLA's callback thread
+            self.bar.set_postfix(loss=f"{call.metrics['loss'][-1]:.3f}", **speed, refresh=False)
+            self.bar.update(max(0, call.reached - self.bar.n))  # the steps LiveSteps has not shown yet
+            if elapsed is None:  # the first call compiled: the ETA counts from the calls after it
+                self.restart_bar(call.reached)
 
     def step_ended(self, step: int, loss: float) -> None:
-        """A step's end as the devices reach it (LiveSteps; XLA's callback thread)."""
-        self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # shown by the update
-        self.bar.update(max(0, step - self.bar.n))
+        """A step's end as the devices reach it (LiveSteps; XLA's callback thread). A step the bar has passed (a
+        call's ahead of a restart of the bar, on which the main thread holds the lock) moves nothing."""
+        with self.bar.get_lock():
+            if step > self.bar.n:
+                self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # shown by the update
+                self.bar.update(step - self.bar.n)
 
     def speed(self, tokens: int, elapsed: float) -> float:
         """Tokens per second over the last WINDOW calls. One call's own time can read short (its dispatch
@@ -178,13 +183,14 @@ class Progress(Observer):
         """The progress bar at `step`, its rate, ETA and speed measured from now on. (tqdm's reset draws the bar at
         step 0 before it can be moved: a resumed run's bar once read -15,606,712 step/s; it draws once, at `step`.)"""
         self.recent.clear()
-        self.bar.refresh = lambda *args, **kwargs: None  # this instance's, until deleted below
-        try:
-            self.bar.reset(total=self.bar.total)
-        finally:
-            del self.bar.refresh
-        self.bar.initial = self.bar.n = self.bar.last_print_n = step
-        self.bar.refresh()
+        with self.bar.get_lock():
+            self.bar.refresh = lambda *args, **kwargs: None  # this instance's, until deleted below
+            try:
+                self.bar.reset(total=self.bar.total)
+            finally:
+                del self.bar.refresh
+            self.bar.initial = self.bar.n = self.bar.last_print_n = step
+            self.bar.refresh()
 
     def close(self) -> None:
         self.bar.close()

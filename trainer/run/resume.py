@@ -8,13 +8,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-from configs import from_dict
 from configs.base import Config
 from trainer.processes import say
 from trainer.program.ahead import OVERLAP_COMPILES
 from trainer.run import data_position, init_from
 from trainer.run.context import RunContext
-from trainer.storage.checkpoints import CheckpointMismatch, check_compatible
+from trainer.storage.checkpoints import CheckpointMismatch, check_compatible, config_from_meta
 
 
 @dataclasses.dataclass
@@ -39,7 +38,7 @@ def restore(run: RunContext) -> Restored:
         with another_run_hint(run):
             data_position.check_same_data(saved, cfg, run.corpus, run.ckpt.path(step))
         check_same_schedule(saved, cfg, run.ckpt.path(step))
-        run.train_call()  # it fits: the train call compiles while its arrays load
+        run.train_call  # it fits: the train call compiles while its arrays load
         state = restore_state(run, step, saved)
         data_position.restore(run.ckpt, step, run.train_iter)
         data_position.realign(saved, cfg, run.train_iter, run.ckpt.path(step))
@@ -52,9 +51,9 @@ def restore(run: RunContext) -> Restored:
             say(f"initialized from {cfg.init_from} (Hugging Face weights; fresh optimizer)")
         run.start_loader()  # its workers start while the state is made
         if OVERLAP_COMPILES:
-            run.train_call()  # compiles beside the initialization's own program
+            run.train_call  # compiles beside the initialization's own program
         state = program.init_state(init_from.load_params(cfg, program.layout))
-        run.train_call()  # compiles while the host finishes the start-up (the summary, wandb, the first batches)
+        run.train_call  # compiles while the host finishes the start-up (the summary, wandb, the first batches)
         return Restored(0, state)
     step, saved, state = found
     if state is None:
@@ -88,7 +87,8 @@ def fresh_run_dir(path) -> str:
 def extension_hint(saved: dict, step: int) -> str:
     """How to extend a run that finished at `step` on the same learning-rate schedule (which
     `check_same_schedule` requires)."""
-    return f"To continue it: {saved_config(saved).schedule.extension_hint(step)} (docs/training.md)"
+    hint = config_from_meta(saved, f"checkpoint {step}").schedule.extension_hint(step)
+    return f"To continue it: {hint} (docs/training.md)"
 
 
 def restore_state(run: RunContext, step: int, saved: dict) -> dict:
@@ -98,12 +98,12 @@ def restore_state(run: RunContext, step: int, saved: dict) -> dict:
 
 
 def check_same_schedule(saved: dict, config: Config, where) -> None:
-    """Refuses a resume that would change any parameter's learning rate from the resumed step on — any optimizer or
+    """Refuses a resume that would change how any parameter learns from the resumed step on — any optimizer or
     schedule field (each whole config compared, so a new field is covered by being one), or the run's length where
     the schedule follows it — unless train.reschedule is set."""
     if config.train.reschedule or "config" not in saved:
         return
-    old = saved_config(saved)
+    old = config_from_meta(saved, where)
     before = {"optim": dataclasses.asdict(old.optim), "schedule": old.schedule.curve(old.train.steps)}
     now = {"optim": dataclasses.asdict(config.optim), "schedule": config.schedule.curve(config.train.steps)}
     changed = [f"{section}.{k}: {before[section].get(k)} -> {now[section].get(k)}" for section in before
@@ -113,10 +113,6 @@ def check_same_schedule(saved: dict, config: Config, where) -> None:
         keep = "keep the old values"
         if before["schedule"] != now["schedule"]:
             keep += f" (to extend a run on its old schedule: {old.schedule.extension_hint(old.train.steps)})"
-        raise CheckpointMismatch(f"{where}: resuming would change the learning rates ({'; '.join(changed)});"
-                                 f" {keep}, or pass --train.reschedule=True to accept the change")
-
-
-def saved_config(saved: dict) -> Config:
-    """The config a checkpoint's metadata records, in today's layout."""
-    return from_dict(saved["config"])
+        raise CheckpointMismatch(f"{where}: resuming would change the optimizer or its schedule"
+                                 f" ({'; '.join(changed)}); {keep}, or pass --train.reschedule=True to accept"
+                                 " the change")

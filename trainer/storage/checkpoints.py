@@ -278,7 +278,7 @@ def check_compatible(saved: dict, config: Config, where) -> None:
     saved_optimizer = saved.get("config", {}).get("optim", {}).get("name", "adamw")
     if saved_optimizer != config.optim.name:
         diffs.append(f"optim.name: checkpoint {saved_optimizer!r} vs config {config.optim.name!r} (the optimizer"
-                     " states differ; keep the optimizer, or start a new --run_dir)")
+                     " states differ)")
     if diffs:
         raise CheckpointMismatch(f"{where}: checkpoint does not fit this model: " + "; ".join(diffs))
 

@@ -77,7 +77,10 @@ def report(records: list[dict]) -> Report:
     starts = [r for r in records if r["event"] == "attempt_start"]
     if not starts:
         return out
-    compiles = [r for r in records if r["event"] == "interval" and r["kind"] == "compile"]
+    every_compile = [r for r in records if r["event"] == "interval" and r["kind"] == "compile"]
+    # compile time is the main thread's: its compiles and its waits for a compile ahead; a compile on the thread that
+    # compiles ahead (trainer/program/ahead.py) ran beside whatever the main thread did, which keeps that time
+    compiles = [r for r in every_compile if not r.get("background")]
     last_end, finished = starts[0]["time"], False
     for r in records:
         if r["event"] == "relaunch":  # the launcher's note: the restart gap runs on to the next attempt's start
@@ -109,7 +112,7 @@ def report(records: list[dict]) -> Report:
     seconds["compile"] = _union(compiles)
     out.wall = last_end - starts[0]["time"] - out.idle
     out.seconds = seconds
-    out.compiles = compiles
+    out.compiles = every_compile  # the programs: all of them
     out.attempts = _attempts(records)
     return out
 

@@ -55,7 +55,7 @@ class Timeline:
         self._compiling = float("inf")  # the start of the compilation under way (its tracing)
         self._last_span_end = float("-inf")
         self._compiles: dict | None = None  # compilations in a row, recorded as one (see _compiled)
-        self._cache_hit = False
+        self._cache_hit: dict[int, bool] = {}  # by thread: the compiling-ahead thread's hits are its own
         self.mark = self.started  # where the latest record ends: what happens after it is not yet accounted for
         # JAX's compile events come from the thread compiling ahead as well (trainer/program/ahead.py)
         self._lock = threading.RLock()
@@ -65,7 +65,8 @@ class Timeline:
             return
         with self._lock:
             self._flush_compiles()  # the compilations before this record, as one
-            self.mark = max(self.mark, fields.get("end", fields.get("time", self.mark)))
+            if not fields.get("background"):  # the main thread's own accounting goes on from its own records
+                self.mark = max(self.mark, fields.get("end", fields.get("time", self.mark)))
             self.pending.append(json.dumps({"event": event, "attempt": self.attempt, **fields}) + "\n")
             if self.log is not None:
                 self._write()
@@ -127,7 +128,7 @@ class Timeline:
 
     def on_jax_event(self, event: str, **kwargs) -> None:
         if event == "/jax/compilation_cache/cache_hits":
-            self._cache_hit = True
+            self._cache_hit[threading.get_ident()] = True
 
     def on_jax_span(self, event: str, start: float, end: float, **kwargs) -> None:
         """One record per compiled program, from its tracing's start to its backend compile's end (a trace
@@ -135,13 +136,22 @@ class Timeline:
         stage = _COMPILE_STAGES.get(event)
         if stage is None:
             return
+        if threading.current_thread() is not threading.main_thread():  # compiling ahead (trainer/program/ahead.py)
+            if stage == "backend":  # one record per program, apart: the main thread worked meanwhile, and its
+                # waits for these compiles are recorded as compile time where they happen
+                hit = self._cache_hit.pop(threading.get_ident(), False)
+                fun = str(kwargs.get("fun_name", ""))
+                self.record("interval", kind="compile", start=start, end=end, background=True, programs={fun: 1},
+                            cache_hits={fun: 1} if hit else {})
+            return
         with self._lock:
             if start > self._last_span_end + 0.5:  # not the next stage of the same compilation
                 self._compiling = start
             self._compiling, self._last_span_end = min(start, self._compiling), end
             if stage == "backend":
                 self._compiled(self._compiling, end, str(kwargs.get("fun_name", "")))
-                self._compiling, self._cache_hit = float("inf"), False
+                self._compiling = float("inf")
+                self._cache_hit.pop(threading.get_ident(), None)
 
     def _compiled(self, start: float, end: float, fun: str) -> None:
         """Adds a compilation to the record being gathered: compilations in a row (a checkpoint save compiles
@@ -153,7 +163,7 @@ class Timeline:
         group = self._compiles
         group["end"] = end
         group["programs"][fun] = group["programs"].get(fun, 0) + 1
-        if self._cache_hit:
+        if self._cache_hit.get(threading.get_ident()):
             group["cache_hits"][fun] = group["cache_hits"].get(fun, 0) + 1
 
 
