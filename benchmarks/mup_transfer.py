@@ -1,8 +1,8 @@
 """μP's promise, measured on CPU: the learning rate tuned at a narrow width (and depth) is the best one wider (and
 deeper), and the wide μP model is at least as good as the standard model tuned at its own width.
 
-    nice -n 15 python -m benchmarks.mup_transfer --out docs/mup   # the tables and plot of docs/mup.md
-    python -m benchmarks.mup_transfer --coord_check --out docs/mup   # the change of every layer from init, by width
+    python -m benchmarks.mup_transfer --out docs/mup   # the tables and plot of docs/mup.md: 828 s on 2 CPU cores
+    python -m benchmarks.mup_transfer --coord_check --out docs/mup   # every layer's change from init, by width/depth
     python -m benchmarks.mup_transfer --parts width --optimizers adamw --steps 20 --out /tmp/mup   # a smoke run
 
 Three parts, each a table of the validation loss (mean ± standard deviation over the seeds) by learning rate:
@@ -43,8 +43,8 @@ from gpt2.model import GPT2, next_token_loss
 
 OPTIMIZERS = ("adamw", "muon")
 MUON_ADAMW_RATIO = 0.1  # AdamW's rate (embeddings, norms, biases) in a Muon run, as a share of the swept muon_lr
-# the rates swept, around each optimum (the standard parametrization's moves with the width; μP's with α_in = 10 is
-# higher, the embeddings then needing less of the rate)
+# the rates swept, around each optimum (the standard parametrization's moves down with the width; μP's, with
+# α_in = 30, sits higher)
 LRS = {("adamw", "standard"): [2.0**-k for k in range(12, 5, -1)], ("adamw", "mup"): [2.0**-k for k in range(9, 3, -1)],
        ("muon", "standard"): [2.0**-k for k in range(6, 1, -1)], ("muon", "mup"): [2.0**-k for k in range(6, 2, -1)]}
 WIDTHS, DEPTHS, DEPTH_WIDTH = (32, 64, 128, 256), (2, 4, 8), 32  # depth scaling's base: the first depth

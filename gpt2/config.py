@@ -165,6 +165,13 @@ class GPT2Config(Checked, section="model"):
         return self.mup_input_mult if self.parametrization == "mup" else 1.0
 
     @property
+    def mup_summary(self) -> str:
+        """μP's base and multipliers in a few words (the start-up's model line)."""
+        base = [f"width {self.mup_base_width}"] + [f"head dim {self.mup_base_head_dim}"] * bool(self.mup_base_head_dim)
+        base += [f"depth {self.mup_base_depth}"] * bool(self.mup_base_depth)
+        return f"μP base {', '.join(base)}; α_in {self.mup_input_mult:g}, α_out {self.mup_output_mult:g}"
+
+    @property
     def logit_multiplier(self) -> float:
         """What the readout's input (and so the logits) is multiplied by: MuReadout's α_out/m."""
         return (self.mup_output_mult if self.parametrization == "mup" else 1.0) / self.width_mult

@@ -59,11 +59,12 @@ class HFCheckpointError(CheckpointError):
 
 
 def require_standard(config: GPT2Config, what: str) -> None:
-    """Hugging Face's GPT-2 is the standard parametrization: a μP model's readout and attention multipliers have
-    no place in it, and its weights mean something else under them."""
+    """Hugging Face's GPT-2 is the standard parametrization: a μP model's multipliers have no place in it, and its
+    weights mean something else under them."""
     if config.parametrization != "standard":
         raise HFCheckpointError(f"{what}: model.parametrization={config.parametrization}; Hugging Face's GPT-2 has no"
-                                " μP multipliers (logits × 1/m, attention α/K): only standard models convert")
+                                " μP multipliers (embeddings × α_in, logits × α_out/m, attention √K_base/K, branches"
+                                " × L_base/L): only standard models convert")
 
 
 def config_from_hf(hf: dict, **overrides) -> GPT2Config:

@@ -370,9 +370,15 @@ def test_a_checkpoint_records_its_parametrization_and_another_is_refused():
     mup_run = Config(model=GPT2Config.nano(parametrization="mup", mup_base_width=16), train=TrainConfig(seq_len=16))
     saved = {"config": dataclasses.asdict(mup_run)}
     check_compatible(saved, mup_run, "ckpt")
-    for other in (dataclasses.replace(mup_run.model, parametrization="standard"),
-                  dataclasses.replace(mup_run.model, mup_base_width=32)):
-        with pytest.raises(CheckpointMismatch, match="model.parametrization: checkpoint 'mup' "):
+    for change, message in ((dict(parametrization="standard"), "model.parametrization: checkpoint 'mup' vs config"
+                                                              " 'standard'"),
+                            (dict(mup_base_width=32), "model.mup_base_width: checkpoint 16 vs config 32"),
+                            (dict(mup_input_mult=3.0), "model.mup_input_mult: checkpoint 1.0 vs config 3.0"),
+                            (dict(mup_output_mult=8.0), "model.mup_output_mult: checkpoint 1.0 vs config 8.0"),
+                            (dict(mup_base_head_dim=8), "model.mup_base_head_dim: checkpoint None vs config 8"),
+                            (dict(mup_base_depth=1), "model.mup_base_depth: checkpoint None vs config 1")):
+        other = dataclasses.replace(mup_run.model, **change)
+        with pytest.raises(CheckpointMismatch, match=re.escape(message)):
             check_compatible(saved, dataclasses.replace(mup_run, model=other), "ckpt")
     # a checkpoint written before the field existed is a standard one
     standard = dataclasses.replace(mup_run, model=GPT2Config.nano())

@@ -190,7 +190,7 @@ def summary(run: RunContext, start: int, wandb_mode: str) -> str:
         f"run      {run.run_dir.path} ({'resumed at step ' + str(start) if start else 'new'}; config.json)",
         f"model    {m.num_params():,} parameters: {m.n_layer} layers, {m.n_head} heads, width {m.n_embd},"
         f" context {m.block_size}, {m.dtype} compute, {m.parametrization} parametrization"
-        + (f" (μP base width {m.mup_base_width})" if m.parametrization == "mup" else ""),
+        + (f" ({m.mup_summary})" if m.parametrization == "mup" else ""),
         f"attend   {describe_attention(m, t.seq_len)}",
         f"mesh     {mesh.size} × {jax.devices()[0].platform}: data {data} × fsdp {mesh.shape['fsdp']}"
         f" × tensor {mesh.shape['tensor']}, rules {cfg.mesh.rules} (~{per_device:,.1f} MiB of parameters per device)",

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from errors import RUN_LOG
 from trainer.corpus import val_dataset
 from trainer.processes import first_call_finished, start_up_point
+from trainer.program.ahead import OVERLAP_COMPILES
 from trainer.run.context import RunContext
 from trainer.run.watchdog import Watchdog
 from trainer.storage.run_dir import merge_eval_results
@@ -85,10 +86,12 @@ class CompileAhead(Observer):
     """As the first call is dispatched (its own compile is done by then), the programs the run needs later compile
     on the background thread while it trains (trainer/program/ahead.py): the evaluation's loss for the run's batches
     (also the pre-save probe's, which may come at the first call's end) and the final sample's decoding. Its first
-    evaluation, probe and sample then compile nothing."""
+    evaluation, probe and sample then compile nothing. Not on 2 cores or fewer (OVERLAP_COMPILES): there XLA's
+    compiler and the first calls share both cores, and the default run's first step came 2 s later for it (14.5-16.3
+    s against 12.3-14.3 s, benchmarks/first_step.py); those programs then compile where they are first needed."""
 
     def __init__(self, run: RunContext):
-        self.run, self.started = run, False
+        self.run, self.started = run, not OVERLAP_COMPILES
 
     def call_dispatched(self, step: int, n: int) -> None:
         if not self.started:

@@ -268,13 +268,16 @@ def check_compatible(saved: dict, config: Config, where) -> None:
     if "scan_layers" in saved_model and saved_model["scan_layers"] != current["scan_layers"]:
         diffs.append(f"model.scan_layers: checkpoint {saved_model['scan_layers']!r} vs config"
                      f" {current['scan_layers']!r} (parameter layouts differ)")
-    # the parametrization gives the same parameters another meaning (init, multipliers); a checkpoint from before
-    # the field existed is a standard one
-    saved_mup = (saved_model.get("parametrization", "standard"), saved_model.get("mup_base_width"))
-    if saved_mup[0] != current["parametrization"] or (
-            current["parametrization"] == "mup" and saved_mup[1] != current["mup_base_width"]):
-        diffs.append(f"model.parametrization: checkpoint {saved_mup[0]!r} (base width {saved_mup[1]}) vs config"
-                     f" {current['parametrization']!r} (base width {current['mup_base_width']})")
+    # the parametrization and μP's fields give the same parameters another meaning (init, multipliers); a field
+    # a checkpoint predates is at its default (a checkpoint from before μP is a standard one)
+    saved_parametrization = saved_model.get("parametrization", "standard")
+    if saved_parametrization != current["parametrization"]:
+        diffs.append(f"model.parametrization: checkpoint {saved_parametrization!r} vs config"
+                     f" {current['parametrization']!r}")
+    elif current["parametrization"] == "mup":
+        mup = {f.name: f.default for f in dataclasses.fields(config.model) if f.name.startswith("mup_")}
+        diffs += [f"model.{k}: checkpoint {saved_model.get(k, default)!r} vs config {current[k]!r}"
+                  for k, default in mup.items() if saved_model.get(k, default) != current[k]]
     saved_optimizer = saved.get("config", {}).get("optim", {}).get("name", "adamw")
     if saved_optimizer != config.optim.name:
         diffs.append(f"optim.name: checkpoint {saved_optimizer!r} vs config {config.optim.name!r} (the optimizer"
