@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -118,11 +119,10 @@ def train_lanes(proxy: Proxy, model: GPT2Config, optimizer_name: str, lrs: list[
     train_tokens, val_tokens = corpus
     tx = unguarded(optimizer(optimizer_name), CosineSchedule(warmup_steps=proxy.warmup_steps), proxy.steps,
                    model.mup_width_mult)
-    inits = [nnx.split(GPT2(model, rngs=nnx.Rngs(seed))) for seed in proxy.seeds]
-    graphdef = inits[0][0]
+    graphdef, inits = seed_inits(model, proxy.seeds)
     lanes = list(itertools.product(range(len(lrs)), range(len(proxy.seeds))))  # (rate, seed) per run
     seed_of = [s for _, s in lanes]
-    params = jax.tree.map(lambda *per_seed: jnp.stack([per_seed[s] for s in seed_of]), *(p for _, p in inits))
+    params = jax.tree.map(lambda *per_seed: jnp.stack([per_seed[s] for s in seed_of]), *inits)
     batches = np.stack([windows(train_tokens, proxy.steps, proxy.batch_size, proxy.seq_len, seed=1000 + seed)
                         for seed in proxy.seeds])[seed_of].swapaxes(0, 1)  # [steps, runs, B, T + 1]
     val = jnp.asarray(windows(val_tokens, proxy.val_batches, 8, proxy.seq_len, seed=99))
@@ -130,15 +130,10 @@ def train_lanes(proxy: Proxy, model: GPT2Config, optimizer_name: str, lrs: list[
     def loss(p, batch):
         return next_token_loss(nnx.merge(graphdef, p), batch)
 
-    def train_step(lr, p, opt_state, batch):
-        grads = jax.grad(loss)(p, batch)
-        updates, opt_state = tx.update(grads, opt_state, p)
-        return optax.apply_updates(p, jax.tree.map(lambda u: lr * u, updates)), opt_state
-
     @jax.jit
     def run(lrs, params, batches):
         def body(carry, batch):
-            return jax.vmap(train_step)(lrs, *carry, batch), None
+            return jax.vmap(functools.partial(step_at_rate, tx, graphdef))(lrs, *carry, batch), None
 
         (params, _), _ = jax.lax.scan(body, (params, jax.vmap(tx.init)(params)), batches)
         return jax.vmap(lambda p: jax.lax.map(lambda b: loss(p, b), val).mean())(params)
@@ -146,6 +141,20 @@ def train_lanes(proxy: Proxy, model: GPT2Config, optimizer_name: str, lrs: list[
     rates = jnp.asarray([lrs[r] for r, _ in lanes], jnp.float32)
     found = np.asarray(jax.device_get(run(rates, params, jnp.asarray(batches))), np.float64)
     return np.where(np.isfinite(found), found, np.inf).reshape(len(lrs), len(proxy.seeds))
+
+
+def seed_inits(model: GPT2Config, seeds) -> tuple[nnx.GraphDef, list[nnx.State]]:
+    """The model's graph and each seed's initial state (seed s draws run s's init)."""
+    inits = [nnx.split(GPT2(model, rngs=nnx.Rngs(seed))) for seed in seeds]
+    return inits[0][0], [state for _, state in inits]
+
+
+def step_at_rate(tx: optax.GradientTransformation, graphdef: nnx.GraphDef, lr, params, opt_state, batch):
+    """One step of `tx` (set up at rate 1) on `batch`, its update × lr: the step at rate lr, since the rate enters
+    optax's update linearly. (params, opt_state) after it."""
+    grads = jax.grad(lambda p: next_token_loss(nnx.merge(graphdef, p), batch))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, jax.tree.map(lambda u: lr * u, updates)), opt_state
 
 
 def lines(parts, optimizers) -> list[dict]:
@@ -354,9 +363,8 @@ def coordinate_check(models: dict[int, GPT2Config], *, tokens: np.ndarray, steps
     depth grows; each known mistake makes some of them grow or shrink (tests/unit/test_mup.py)."""
     found = {}
     for size, cfg in models.items():
-        inits = [nnx.split(GPT2(cfg, rngs=nnx.Rngs(seed))) for seed in seeds]
-        graphdef = inits[0][0]
-        params = jax.tree.map(lambda *per_seed: jnp.stack(per_seed), *(p for _, p in inits))
+        graphdef, inits = seed_inits(cfg, seeds)
+        params = jax.tree.map(lambda *per_seed: jnp.stack(per_seed), *inits)
         data = jnp.asarray(np.stack([windows(tokens, steps, batch, seq, seed=seed) for seed in seeds]))
         tx = unguarded(optimizer("adamw", weight_decay=0.0, grad_clip=0.0),
                        CosineSchedule(warmup_steps=0, min_lr_ratio=1.0), steps, cfg.mup_width_mult)
@@ -366,10 +374,7 @@ def coordinate_check(models: dict[int, GPT2Config], *, tokens: np.ndarray, steps
             start = layer_outputs(nnx.merge(graphdef, p), probe)
 
             def body(carry, batch):
-                p, opt_state = carry
-                grads = jax.grad(lambda q: next_token_loss(nnx.merge(graphdef, q), batch))(p)
-                updates, opt_state = tx.update(grads, opt_state, p)
-                p = optax.apply_updates(p, jax.tree.map(lambda u: lr * u, updates))
+                p, opt_state = step_at_rate(tx, graphdef, lr, *carry, batch)
                 now = layer_outputs(nnx.merge(graphdef, p), probe)
                 return (p, opt_state), changes(start, now)
 

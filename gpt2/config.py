@@ -18,9 +18,6 @@ RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 AttentionImpl = Literal["xla", "cudnn", "splash", "auto"]
 DType = Literal["float32", "bfloat16", "float16"]
 Parametrization = Literal["standard", "mup"]
-# μP's fields beyond the base width and their values that leave the standard parametrization unchanged: another
-# value under parametrization=standard is refused (it would do nothing)
-MUP_ONLY = {"mup_input_mult": 1.0, "mup_output_mult": 1.0, "mup_base_head_dim": None, "mup_base_depth": None}
 # Compute dtypes a backend can run where it is not all of DType: XLA:CPU has no float16 dot that accumulates in
 # float32, which jax.nn.dot_product_attention asks for (it failed inside the first train call).
 COMPUTE_DTYPES = {"cpu": ("float32", "bfloat16")}
@@ -103,11 +100,12 @@ class GPT2Config(Checked, section="model"):
         if self.document_positions and not self.document_mask:
             raise ConfigError("model.document_positions=true restarts positions at document boundaries and needs"
                               " model.document_mask=true")
-        if self.parametrization == "standard":
-            meant = {name: getattr(self, name) for name in MUP_ONLY if getattr(self, name) != MUP_ONLY[name]}
-            if meant:
-                raise ConfigError(f"model.{next(iter(meant))}={next(iter(meant.values()))} applies only with"
-                                  " model.parametrization=mup")
+        if self.parametrization == "standard":  # a μP field away from its default would do nothing there (the
+            # base width excepted: every config has one, and checkpoints record it)
+            for f in dataclasses.fields(self):
+                value = getattr(self, f.name)
+                if f.name.startswith("mup_") and f.name != "mup_base_width" and value != f.default:
+                    raise ConfigError(f"model.{f.name}={value} applies only with model.parametrization=mup")
 
     @property
     def head_dim(self) -> int:

@@ -5,7 +5,6 @@ laptop). The TPU generations' other figures (HBM, ICI, DCN), which only planning
 from __future__ import annotations
 
 import functools
-
 import json
 import os
 import platform
