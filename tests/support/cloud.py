@@ -288,7 +288,23 @@ def _create(root: Path, name: str, argv: list[str]) -> int:
     env = {**os.environ, "FAKE_CLOUD_ROOT": str(root), "FAKE_CLOUD_METADATA": f"{name}-{created}"}
     subprocess.Popen([sys.executable, __file__, "_metadata", json.dumps(qr)], env=env, start_new_session=True,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # a real VM's metadata server answers before the VM does: without this wait a loaded machine started train.py
+    # before its server listened, and JAX's TPU detection failed on "connection refused" (a flaky pod test)
+    for port in (p for ports in qr["metadata"] for p in ports):
+        _wait_listening(port)
     return 0
+
+
+def _wait_listening(port: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _describe(root: Path, name: str, argv: list[str]) -> int:
