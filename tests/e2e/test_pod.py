@@ -25,7 +25,7 @@ import pytest
 import train as train_app
 from support.cli import ROOT, SMALL, read_jsonl, run_main
 from support.cloud import use
-from support.pod_runs import following, make_tiny_repo, tiny_job, trained_on_every_host, verbs, wait_for
+from support.pod_runs import console_tails, following, make_tiny_repo, tiny_job, trained_on_every_host, verbs, wait_for
 from tools.pod.__main__ import main as pod_main
 from tools.pod.keepalive import Keeper
 from trainer.telemetry import goodput
@@ -233,18 +233,18 @@ def test_a_tpu_vm_pod_trains_detached_through_a_preemption_and_a_lost_launcher(t
                               "1", "--skip_aot")
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "16").exists() or proc.poll() is not None, "checkpoint 16", 600)
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert proc.poll() is None, proc.stdout.read()[-4000:] + console_tails(run_dir)
         cloud.preempt("pod")
         wait_for(lambda: len(events(run_dir, "attempt_start")) == 2 or proc.poll() is not None, "the relaunch", 600)
     finally:
         proc.kill()
         out = proc.communicate()[0]
     assert "finished" not in [r["how"] for r in events(run_dir, "attempt_end")]  # the hosts outlive the launcher
-    assert "relaunch 1 of 1" in out and "training on every host, detached" in out, out[-4000:]
+    assert "relaunch 1 of 1" in out and "training on every host, detached" in out, out[-4000:] + console_tails(run_dir)
     wait_for(lambda: [r["how"] for r in events(run_dir, "attempt_end")][-1:] == ["finished"], "the hosts", 600)
     attach = launch_on_fake_pod(cloud, run_dir, shakespeare, "--topology", "v4-8", "--num_slices", "2", "--attach")
     out = attach.communicate(timeout=120)[0]
-    assert attach.returncode == 0 and "pod: the run finished" in out, out[-4000:]
+    assert attach.returncode == 0 and "pod: the run finished" in out, out[-4000:] + console_tails(run_dir)
     np.testing.assert_allclose(losses(run_dir), losses(reference), rtol=0, atol=1e-5)
     commands = [" ".join(c[1:5]) for c in cloud.calls()]
     assert commands.count("compute tpus queued-resources create") == 2

@@ -35,6 +35,7 @@ import fcntl
 import http.server
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -183,14 +184,25 @@ def _flag(argv: list[str], name: str, default: str | None = None) -> str | None:
     return default
 
 
-def _free_port(low: int = 0) -> int:
-    for port in ([0] if low == 0 else range(low, 65536)):
+def _free_port(low: int | None = None) -> int:
+    """A port free now for a server that listens on it later (a job's coordinator, a metadata server): the first
+    free one from `low`, else a random one below the kernel's ephemeral range. A port from bind(0) is an ephemeral
+    one, which any outgoing connection on this machine may take as its own end meanwhile (the suite's workers make
+    thousands), and a TPU VM's coordinator port serves every attempt on its slice: the likely cause of a pod test's
+    job failing twice in CI (not reproduced here, its hosts' logs not kept)."""
+    if low is None:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+            if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+        candidates = random.Random().sample(range(10000, ephemeral_low), 200)
+    else:
+        candidates = range(low, 65536)
+    for port in candidates:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return s.getsockname()[1]
+            return port
     raise RuntimeError("no free port")
 
 

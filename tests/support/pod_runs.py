@@ -63,6 +63,12 @@ def wait_for(condition, what: str, seconds: float = 60) -> None:
         time.sleep(0.05)
 
 
+def console_tails(run_dir, chars: int = 2000) -> str:
+    """The end of each host's console log (what its training printed): for the message of a failed assertion."""
+    logs = sorted(Path(run_dir, "logs").glob("console.*.log"))
+    return "".join(f"\n--- {p.name}:\n{p.read_text(errors='replace')[-chars:]}" for p in logs)
+
+
 def verbs(cloud: FakeCloud) -> list[str]:
     return [" ".join(c[3:5]) if c[0] == "gcloud" else " ".join(c[:3]) for c in cloud.calls()]
 
