@@ -158,6 +158,39 @@ def test_multi_host_start_up_uses_jaxs_cluster_detection(monkeypatch):
     assert job_settings(DistributedConfig()) == ("node1:61482", 2, 1)  # JAX's port: 61440 + 42 % 4096
 
 
+def test_a_tpu_vms_metadata_server_late_to_answer_is_waited_for_and_one_never_answering_is_one_line(monkeypatch):
+    """JAX's own TPU VM detection (a GCE TPU VM asks its metadata server which worker it is) against a server that
+    starts listening 1.5 s late: the job is found; against none: one line naming the cause, after the retries."""
+    import threading
+
+    from jax._src.clusters import cloud_tpu_cluster
+
+    import trainer.processes
+    from configs.base import DistributedConfig
+    from errors import UserError
+    from support.cloud import _free_port, serve_metadata
+    from trainer.processes import job_settings
+
+    for variable in ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST", "JAX_COORDINATOR_ADDRESS",
+                     "TPU_SKIP_MDS_QUERY", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(cloud_tpu_cluster, "running_in_cloud_tpu_vm", True)
+    monkeypatch.setenv("JAX_COORDINATOR_PORT", "8476")
+    port = _free_port()
+    monkeypatch.setenv("GCE_METADATA_IP", f"127.0.0.1:{port}")
+    answers = {"agent-worker-number": "1", "tpu-env": "", "worker-network-endpoints": "10.0.0.2,10.0.0.3"}
+    threading.Timer(1.5, serve_metadata, (port, answers)).start()
+    assert job_settings(DistributedConfig()) == ("10.0.0.2:8476", 2, 1)
+
+    monkeypatch.setenv("GCE_METADATA_IP", f"127.0.0.1:{_free_port()}")  # nothing listens there
+    monkeypatch.setattr(trainer.processes, "DETECTION_RETRY_S", 2.0)
+    with pytest.raises(UserError, match=r"^this host could not tell which job it belongs to: JAX's cluster detection"
+                                        r" failed for 1 s \(.*Connection refused.*\); on a Cloud TPU VM that is its"
+                                        r" metadata server not answering") as e:
+        job_settings(DistributedConfig())
+    assert "\n" not in str(e.value)
+
+
 def test_an_error_reason_keeps_the_cause_and_drops_tensorstores_spec():
     """TensorStore puts a kilobyte of JSON (`[tensorstore_spec='...']`) between the reason and its error code;
     the one-line reason keeps the cause at any path length."""
