@@ -252,12 +252,17 @@ def loss_table(group: list[dict], column: str, title: str) -> list[str]:
 
 
 def comparison(standard: list[dict], mup: list[dict]) -> list[str]:
-    """Per width: each parametrization's best (rate, loss), and μP − standard per seed at their best rates."""
-    out = ["| width | standard: best rate | standard: loss | μP: best rate | μP: loss | μP − standard (paired) |",
-           "|---:|---:|---:|---:|---:|---:|"]
+    """Per width: each parametrization's best (rate, loss), μP − standard per seed at their best rates, and μP's best
+    minus its best at the width before, per seed (wider is better where that is below 0 beyond its spread)."""
+    out = ["| width | standard: best rate | standard: loss | μP: best rate | μP: loss | μP − standard (paired) |"
+           " μP − μP a width before (paired) |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    before = None
     for s, m in zip(standard, mup):
         (i, a), (j, b) = best(s), best(m)
-        out.append(f"| {s['width']} | {s['lrs'][i]:g} | {_cell(a)} | {m['lrs'][j]:g} | {_cell(b)} | {_cell(b - a)} |")
+        wider = "—" if before is None else _cell(b - before)
+        out.append(f"| {s['width']} | {s['lrs'][i]:g} | {_cell(a)} | {m['lrs'][j]:g} | {_cell(b)} | {_cell(b - a)} |"
+                   f" {wider} |")
+        before = b
     return out + [""]
 
 

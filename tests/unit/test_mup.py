@@ -423,6 +423,29 @@ def test_the_sweeps_tables_in_the_docs_are_those_of_its_record():
     assert len(record["proxy"]["seeds"]) >= 3 and all(len(r["val_loss"][0]) >= 3 for r in record["lines"])
 
 
+def test_at_400_steps_mups_adamw_gets_better_with_every_doubling_of_width_for_every_seed():
+    """docs/mup/adamw_400_steps (and docs/mup.md, which quotes it): the AdamW width part at 4× the steps. Its tables
+    are what the record makes; μP's best loss falls with every doubling for each seed, its best rate moves at most
+    one 2× step from width to width, and it beats the standard parametrization's best at every width, paired."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.mup_transfer import best, tables
+
+    docs = Path(__file__).parents[2] / "docs"
+    record = json.loads((docs / "mup/adamw_400_steps/mup_transfer.json").read_text())
+    text = tables(record["lines"])
+    assert (docs / "mup/adamw_400_steps/mup_transfer.md").read_text() == text and text in (docs / "mup.md").read_text()
+    assert record["proxy"]["steps"] == 400 and len(record["proxy"]["seeds"]) >= 3
+    by = {(r["parametrization"], r["width"]): r for r in record["lines"] if r["optimizer"] == "adamw"}
+    widths = sorted(w for p, w in by if p == "mup")
+    assert widths[-1] >= 8 * widths[0]
+    mup = [best(by["mup", w]) for w in widths]
+    assert all((wide[1] < narrow[1]).all() for narrow, wide in zip(mup, mup[1:]))
+    assert all(abs(wide[0] - narrow[0]) <= 1 for narrow, wide in zip(mup, mup[1:]))  # the grid's steps are 2×
+    assert all((m[1] < best(by["standard", w])[1]).all() for m, w in zip(mup, widths))
+
+
 def test_hugging_face_conversion_refuses_a_mup_model_in_one_line(tmp_path):
     pytest.importorskip("transformers")
     from gpt2.hf import HFCheckpointError, from_hf, to_hf
