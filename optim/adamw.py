@@ -25,6 +25,13 @@ class AdamWConfig(OptimizerConfig, choice="adamw"):
     weight_decay: Annotated[float, Field(
         "decoupled weight decay, applied to matrices and embeddings only (not biases or norms)", ge=0)] = 0.1
 
+    def describe(self, params, width_mult: float | None = None) -> str:
+        """Under μP the logged `lr` is the embeddings', norms' and biases' rate: the hidden matrices' is said here."""
+        text = super().describe(params)
+        if width_mult is None:
+            return text
+        return f"{text}, its hidden matrices at lr/m = {self.lr / width_mult:g} (μP, m = {width_mult:g})"
+
     def update_rule(self, rates: dict[str, optax.Schedule], width_mult: float | None = None
                     ) -> optax.GradientTransformation:
         """optax.adamw; under μP (a width_mult) Adam's direction multiplied per parameter (`mup_lr_multipliers`)

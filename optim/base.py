@@ -41,8 +41,8 @@ class OptimizerConfig(Choice, section="optim"):
         """The group (a key of `peak_rates`) of the parameter at `path`."""
         return "lr"
 
-    def describe(self, params: nnx.State) -> str:
-        """The start-up line: each group's rate and what it holds."""
+    def describe(self, params: nnx.State, width_mult: float | None = None) -> str:
+        """The start-up line: each group's rate and what it holds (`width_mult`: μP's m, as update_rule's)."""
         counts = parameters_per_group(self, params)
         return "; ".join(f"{self.name} (lr {rate:g}) on {counts.get(group, 0):,} parameters"
                          for group, rate in self.peak_rates().items())

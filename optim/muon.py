@@ -45,7 +45,7 @@ class MuonConfig(AdamWConfig, choice="muon"):
     def group_of(self, path: tuple[str, ...], variable: nnx.Variable) -> str:
         return "lr/muon" if is_hidden_matrix(variable) else "lr"
 
-    def describe(self, params: nnx.State) -> str:
+    def describe(self, params: nnx.State, width_mult: float | None = None) -> str:
         counts = parameters_per_group(self, params)
         return (f"muon (lr {self.muon_lr:g}) on {counts.get('lr/muon', 0):,} parameters (attention and MLP"
                 f" matrices), adamw (lr {self.lr:g}) on {counts.get('lr', 0):,} (embeddings and tied head, norms,"

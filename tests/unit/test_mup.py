@@ -366,6 +366,16 @@ def test_init_from_hugging_face_weights_refuses_mup_in_one_line():
                             " (drop one of the two)")
 
 
+def test_the_start_up_line_gives_the_hidden_matrices_rate_under_mup():
+    """The logged `lr` is the rate of the parameters μP leaves at lr (embeddings, norms, biases): the start-up line
+    says the hidden matrices' own; with Muon they are Muon's, at its own rate."""
+    params = nnx.state(GPT2(GPT2Config.nano(parametrization="mup", mup_base_width=16), rngs=nnx.Rngs(0)), nnx.Param)
+    line = AdamWConfig(lr=0.016).describe(params, 4.0)
+    assert line.startswith("adamw (lr 0.016) on ")
+    assert line.endswith(", its hidden matrices at lr/m = 0.004 (μP, m = 4)")
+    assert "μP" not in AdamWConfig().describe(params) and "μP" not in MuonConfig().describe(params, 4.0)
+
+
 def test_a_checkpoint_records_its_parametrization_and_another_is_refused():
     mup_run = Config(model=GPT2Config.nano(parametrization="mup", mup_base_width=16), train=TrainConfig(seq_len=16))
     saved = {"config": dataclasses.asdict(mup_run)}

@@ -196,7 +196,7 @@ def summary(run: RunContext, start: int, wandb_mode: str) -> str:
         f" × tensor {mesh.shape['tensor']}, rules {cfg.mesh.rules} (~{per_device:,.1f} MiB of parameters per device)",
         f"data     {run.corpus.directory}: {meta.get('train_tokens', 0):,} train / {meta.get('val_tokens', 0):,}"
         " val tokens",
-        f"optim    {cfg.optim.describe(run.program.abstract_params)}, schedule {cfg.schedule.name}",
+        f"optim    {cfg.optim.describe(run.program.abstract_params, m.mup_width_mult)}, schedule {cfg.schedule.name}",
         f"steps    {t.steps:,} steps of {t.batch_size} × {t.seq_len} = {t.batch_size * t.seq_len:,} tokens,"
         f" {t.steps_per_call} per call; eval every {t.eval_every or t.steps}, checkpoint every"
         f" {cfg.checkpoint.every}",
