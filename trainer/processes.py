@@ -27,7 +27,8 @@ from trainer.rollcall import roll_call
 
 T = TypeVar("T")
 # A TPU VM's metadata server, which JAX's cluster detection asks, can be unreachable for moments (a VM just up, a
-# maintenance event): JAX retries a refused answer, not a refused connection, so the detection is retried this long.
+# maintenance event): JAX retries a refused answer, not a refused connection, so a failed connection is retried
+# for this long (its other errors, e.g. the coordinator's name not resolving after initialization_timeout, are not).
 DETECTION_RETRY_S = 60.0
 
 
@@ -58,20 +59,21 @@ def job_settings(d: DistributedConfig) -> tuple[str | None, int | None, int | No
                 _setting("distributed.process_id", d.process_id, "JAX_PROCESS_ID"))
     from jax._src.clusters import ClusterEnv
 
-    waited, pause = 0.0, 1.0
+    started, pause = time.monotonic(), 1.0
     while True:
         try:
             address, num, pid, _ = ClusterEnv.auto_detect_unset_distributed_params(
                 None, d.num_processes, d.process_id, None, None, d.initialization_timeout)
             return address, num, pid
-        except (OSError, RuntimeError) as e:  # requests' errors are OSErrors; JAX's after its own tries RuntimeErrors
+        except OSError as e:  # a refused or reset connection (requests' errors are OSErrors)
+            waited = time.monotonic() - started
             if waited + pause > DETECTION_RETRY_S:
-                raise UserError(f"this host could not tell which job it belongs to: JAX's cluster detection failed for"
-                                f" {waited:.0f} s ({first_line(e)}); on a Cloud TPU VM that is its metadata server not"
-                                " answering: run the command again, or set --distributed.coordinator_address,"
+                raise UserError(f"this host could not tell which job it belongs to: JAX's cluster detection could not"
+                                f" connect for {waited:.0f} s ({first_line(e)}; on a Cloud TPU VM: its metadata"
+                                " server): run the command again, or set --distributed.coordinator_address,"
                                 " num_processes and process_id") from None
             time.sleep(pause)
-            waited, pause = waited + pause, min(2 * pause, 8.0)
+            pause = min(2 * pause, 8.0)
 
 
 def _setting(flag: str, value: int | None, variable: str) -> int:

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import re
+import select
 import socket
 import subprocess
 import sys
@@ -376,7 +377,7 @@ def test_two_starters_taking_over_a_dead_holder_at_once_one_wins(gcs):
              for _ in range(2)]
     # Each stays alive until both have tried: a holder that exited is a dead one, rightly taken over. (Started late
     # on a loaded machine, the second still meets a live holder, as a trainer started later would.)
-    outs = [p.stdout.readline() for p in procs]
+    outs = [p.stdout.readline() if select.select([p.stdout], [], [], 120)[0] else "" for p in procs]
     errs = [p.communicate("", timeout=120)[1] for p in procs]
     assert sorted(o.split(None, 1)[0] for o in outs if o) == ["refused", "took"], (outs, errs)
     winner = next(o for o in outs if o.startswith("took")).split(None, 1)[1]

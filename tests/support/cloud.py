@@ -188,11 +188,10 @@ def _free_port(low: int | None = None) -> int:
     """A port free now for a server that listens on it later (a job's coordinator, a metadata server): the first
     free one from `low`, else a random one below the kernel's ephemeral range. A port from bind(0) is an ephemeral
     one, which any outgoing connection on this machine may take as its own end meanwhile (the suite's workers make
-    thousands), and a TPU VM's coordinator port serves every attempt on its slice: the likely cause of a pod test's
-    job failing twice in CI (not reproduced here, its hosts' logs not kept)."""
+    thousands), and a TPU VM's coordinator port serves every attempt on its slice."""
     if low is None:
-        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
-            if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+        ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+        ephemeral_low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
         candidates = random.Random().sample(range(10000, ephemeral_low), 200)
     else:
         candidates = range(low, 65536)

@@ -185,8 +185,8 @@ def test_a_tpu_vms_metadata_server_late_to_answer_is_waited_for_and_one_never_an
     monkeypatch.setenv("GCE_METADATA_IP", f"127.0.0.1:{_free_port()}")  # nothing listens there
     monkeypatch.setattr(trainer.processes, "DETECTION_RETRY_S", 2.0)
     with pytest.raises(UserError, match=r"^this host could not tell which job it belongs to: JAX's cluster detection"
-                                        r" failed for 1 s \(.*Connection refused.*\); on a Cloud TPU VM that is its"
-                                        r" metadata server not answering") as e:
+                                        r" could not connect for 1 s \(.*Connection refused.*; on a Cloud TPU VM: its"
+                                        r" metadata server\): run the command again") as e:
         job_settings(DistributedConfig())
     assert "\n" not in str(e.value)
 

@@ -10,8 +10,10 @@ install it, where PyTorch is installed but `mup` is not. The other checks need n
 
 import dataclasses
 import importlib
+import json
 import math
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +33,8 @@ from errors import ConfigError
 from gpt2.config import GPT2Config
 from gpt2.model import GPT2
 from trainer.storage.checkpoints import CheckpointMismatch, check_compatible
+
+DOCS = Path(__file__).parents[2] / "docs"
 
 # m = 4: every μP width multiplier differs from the standard one by at least 2×; head dim 64 at the base width, 128
 # at WIDE (2 heads), so the attention scale √64/128 differs from GPT-2's 1/√128; α_in and α_out not 1
@@ -402,13 +406,10 @@ def test_a_checkpoint_records_its_parametrization_and_another_is_refused():
 def test_the_mup_pod_preset_takes_its_rates_from_the_cpu_proxy():
     """gpt2_xl_pod_mup is gpt2_xl_pod in μP based at the sweep's proxy (width, head dim, depth), with the base part's
     α_in, α_out and rate as docs/mup/mup_transfer.json records them, and CompleteP's ε."""
-    import json
-    from pathlib import Path
-
     from benchmarks.mup_transfer import Proxy, transferred
 
     cfg, pod = configs.load("gpt2_xl_pod_mup"), configs.load("gpt2_xl_pod")
-    swept = transferred(json.loads((Path(__file__).parents[2] / "docs/mup/mup_transfer.json").read_text())["lines"])
+    swept = transferred(json.loads((DOCS / "mup/mup_transfer.json").read_text())["lines"])
     assert cfg.model == dataclasses.replace(
         pod.model, parametrization="mup", mup_base_width=Proxy.base_width, mup_base_head_dim=Proxy.head_dim,
         mup_base_depth=Proxy.n_layer, mup_input_mult=swept["mup_input_mult"], mup_output_mult=swept["mup_output_mult"])
@@ -416,37 +417,34 @@ def test_the_mup_pod_preset_takes_its_rates_from_the_cpu_proxy():
     assert cfg.train == pod.train and cfg.mesh == pod.mesh
 
 
+def quoted_record(folder: str) -> dict:
+    """A sweep's record (`<folder>/mup_transfer.json`), once its tables file and docs/mup.md are checked to hold what
+    the benchmark's tables make of it."""
+    from benchmarks.mup_transfer import tables
+
+    record = json.loads((DOCS / folder / "mup_transfer.json").read_text())
+    text = tables(record["lines"])
+    assert (DOCS / folder / "mup_transfer.md").read_text() == text and text in (DOCS / "mup.md").read_text()
+    assert len(record["proxy"]["seeds"]) >= 3 and all(len(r["val_loss"][0]) >= 3 for r in record["lines"])
+    return record
+
+
 def test_the_sweeps_tables_in_the_docs_are_those_of_its_record():
     """docs/mup/mup_transfer.md (and docs/mup.md, which quotes it) is what the benchmark's tables make of the runs
     docs/mup/mup_transfer.json records: every part, both optimizers, three seeds."""
-    import json
-    from pathlib import Path
-
-    from benchmarks.mup_transfer import tables
-
-    docs = Path(__file__).parents[2] / "docs"
-    record = json.loads((docs / "mup/mup_transfer.json").read_text())
-    text = tables(record["lines"])
-    assert (docs / "mup/mup_transfer.md").read_text() == text and text in (docs / "mup.md").read_text()
+    record = quoted_record("mup")
     assert {(r["part"], r["optimizer"]) for r in record["lines"]} == {("base", "adamw"), ("width", "adamw"),
                                                                        ("width", "muon"), ("depth", "adamw")}
-    assert len(record["proxy"]["seeds"]) >= 3 and all(len(r["val_loss"][0]) >= 3 for r in record["lines"])
 
 
 def test_at_400_steps_mups_adamw_gets_better_with_every_doubling_of_width_for_every_seed():
-    """docs/mup/adamw_400_steps (and docs/mup.md, which quotes it): the AdamW width part at 4× the steps. Its tables
-    are what the record makes; μP's best loss falls with every doubling for each seed, its best rate moves at most
-    one 2× step from width to width, and it beats the standard parametrization's best at every width, paired."""
-    import json
-    from pathlib import Path
+    """docs/mup/adamw_400_steps (quoted in docs/mup.md): the AdamW width part at 4× the steps. μP's best loss falls
+    with every doubling for each seed, its best rate moves at most one 2× step from width to width, and it beats the
+    standard parametrization's best at every width, paired."""
+    from benchmarks.mup_transfer import best
 
-    from benchmarks.mup_transfer import best, tables
-
-    docs = Path(__file__).parents[2] / "docs"
-    record = json.loads((docs / "mup/adamw_400_steps/mup_transfer.json").read_text())
-    text = tables(record["lines"])
-    assert (docs / "mup/adamw_400_steps/mup_transfer.md").read_text() == text and text in (docs / "mup.md").read_text()
-    assert record["proxy"]["steps"] == 400 and len(record["proxy"]["seeds"]) >= 3
+    record = quoted_record("mup/adamw_400_steps")
+    assert record["proxy"]["steps"] == 400
     by = {(r["parametrization"], r["width"]): r for r in record["lines"] if r["optimizer"] == "adamw"}
     widths = sorted(w for p, w in by if p == "mup")
     assert widths[-1] >= 8 * widths[0]
