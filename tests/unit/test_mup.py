@@ -437,15 +437,16 @@ def test_the_sweeps_tables_in_the_docs_are_those_of_its_record():
                                                                        ("width", "muon"), ("depth", "adamw")}
 
 
-def test_at_400_steps_mups_adamw_gets_better_with_every_doubling_of_width_for_every_seed():
-    """docs/mup/adamw_400_steps (quoted in docs/mup.md): the AdamW width part at 4× the steps. μP's best loss falls
-    with every doubling for each seed, its best rate moves at most one 2× step from width to width, and it beats the
-    standard parametrization's best at every width, paired."""
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_at_400_steps_mup_gets_better_with_every_doubling_of_width_for_every_seed(optimizer):
+    """docs/mup/400_steps (quoted in docs/mup.md): the width part at 4× the steps. μP's best loss falls with every
+    doubling for each seed, its best rate moves at most one 2× step from width to width, and it beats the standard
+    parametrization's best at every width, paired."""
     from benchmarks.mup_transfer import best
 
-    record = quoted_record("mup/adamw_400_steps")
+    record = quoted_record("mup/400_steps")
     assert record["proxy"]["steps"] == 400
-    by = {(r["parametrization"], r["width"]): r for r in record["lines"] if r["optimizer"] == "adamw"}
+    by = {(r["parametrization"], r["width"]): r for r in record["lines"] if r["optimizer"] == optimizer}
     widths = sorted(w for p, w in by if p == "mup")
     assert widths[-1] >= 8 * widths[0]
     mup = [best(by["mup", w]) for w in widths]
