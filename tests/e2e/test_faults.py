@@ -34,13 +34,13 @@ from support.cli import (
     run_cli,
     run_main,
     step_losses,
+    without_timing,
 )
 from trainer.storage.run_dir import RunDir
 from trainer.telemetry import goodput
 
 # 2 steps per call, a checkpoint after every call (all kept), an evaluation every 8 steps
 FAULT = [*SMALL, "--train.steps=16", "--checkpoint.every=2", "--checkpoint.keep=10", "--train.eval_every=8"]
-TIMING = ("tokens_per_s", "mfu", "peak_flops")
 
 
 def args(run_dir, shakespeare, *extra):
@@ -49,7 +49,7 @@ def args(run_dir, shakespeare, *extra):
 
 def records(run_dir):
     """metrics.jsonl without the timing fields: what an exact resume must reproduce."""
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_jsonl(run_dir / "metrics.jsonl")]
+    return without_timing(read_jsonl(run_dir / "metrics.jsonl"))
 
 
 @pytest.fixture(scope="module")

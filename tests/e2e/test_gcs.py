@@ -23,7 +23,7 @@ from etils import epath  # gcsfs is imported only when a gs:// path is first use
 
 import eval as eval_app
 import train as train_app
-from support.cli import ROOT, SMALL, cli_env, last_line, read_jsonl, run_cli, run_main
+from support.cli import ROOT, SMALL, cli_env, last_line, read_jsonl, run_cli, run_main, without_timing
 from support.gcs import gs, object_exists, object_meta
 from trainer.telemetry import goodput
 
@@ -31,7 +31,6 @@ if importlib.util.find_spec("gcsfs") is None:  # not imported here: the fixture'
     pytest.skip("needs the gcs extra", allow_module_level=True)
 
 RUN = [*SMALL, "--train.steps=6", "--checkpoint.every=2", "--checkpoint.keep=10"]
-TIMING = ("tokens_per_s", "mfu", "peak_flops")
 
 
 def args(run_dir, shakespeare, *extra):
@@ -40,8 +39,7 @@ def args(run_dir, shakespeare, *extra):
 
 def records(run_dir) -> list[dict]:
     """metrics.jsonl without the timing fields: what an exact resume must reproduce."""
-    lines = epath.Path(run_dir, "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
+    return without_timing([json.loads(line) for line in epath.Path(run_dir, "metrics.jsonl").read_text().splitlines()])
 
 
 def params(run_dir, step: int) -> list[np.ndarray]:

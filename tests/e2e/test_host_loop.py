@@ -6,7 +6,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import train as train_app
-from support.cli import SMALL, checkpoint_steps, read_jsonl, run_main
+from support.cli import SMALL, checkpoint_steps, read_jsonl, run_main, without_timing
 from trainer.run.context import RunContext
 from trainer.run.loop import TrainingLoop
 
@@ -39,10 +39,8 @@ def test_the_async_loop_dispatches_ahead_and_changes_nothing(tmp_path, shakespea
     assert events.index("read 10") > events.index("fetch", events.index("read 8") + 1)
 
     run(tmp_path / "sync", shakespeare, "--train.async_calls=False")
-    timing = ("tokens_per_s", "mfu")
-    strip = lambda rs: [{k: v for k, v in r.items() if k not in timing} for r in rs]  # noqa: E731
-    assert strip(read_jsonl(tmp_path / "async" / "metrics.jsonl")) == strip(read_jsonl(tmp_path / "sync" /
-                                                                                        "metrics.jsonl"))
+    assert without_timing(read_jsonl(tmp_path / "async" / "metrics.jsonl")) == without_timing(
+        read_jsonl(tmp_path / "sync" / "metrics.jsonl"))
     assert checkpoint_steps(tmp_path / "async") == checkpoint_steps(tmp_path / "sync") == [6, 12]
     for step in (6, 12):
         a, b = saved_state(tmp_path / "async", step), saved_state(tmp_path / "sync", step)

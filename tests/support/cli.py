@@ -90,6 +90,15 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+# What a run measures rather than computes: never the same twice (the CPU peak that MFU divides by is the best
+# measured on the machine so far, so a later run may read a higher one)
+TIMING = ("tokens_per_s", "mfu", "peak_flops")
+
+
+def without_timing(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
 def step_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
 
